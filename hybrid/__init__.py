@@ -1,0 +1,1 @@
+"""hybrid: the parallel library (tensor parallelism, ZeRO, recomputation). Knows nothing of GPT."""

@@ -1,0 +1,1 @@
+"""torchrun entry points, configuration, data and tracking."""

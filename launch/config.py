@@ -1,0 +1,317 @@
+"""Run configuration: YAML files in `configs/` plus `key=value` overrides, into typed dataclasses.
+
+    python -m launch.pretrain --config configs/tiny.yaml train.lr=3e-4 parallel.tp=2
+
+Every key is checked: an unknown key is an error that suggests the nearest valid one, a
+value of the wrong type or outside its allowed set names the key and what it accepts.
+The section and key names are the user-facing contract; rename nothing without a shim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from models.gpt import GPTConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the key and the fix."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel degree; dp = world size / tp
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    global_batch_size: int = 32  # sequences per optimizer step, over all DP ranks
+    micro_batch_size: int = 8  # sequences per forward pass on one rank
+    lr: float = 6e-4
+    min_lr: float = 6e-5  # the cosine schedule ends here at `steps`
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 1234
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    eval_every: int = 100
+    eval_batches: int = 4  # validation set size, in global batches
+
+
+@dataclass
+class DataConfig:
+    files: list[str] = field(default_factory=list)  # .txt/.jsonl/.parquet; [] = bundled corpus
+    text_field: str = "text"  # the column read from jsonl and parquet files
+    tokenizer: str = "gpt2"  # gpt2 | bpe (trained on the corpus) | a Hugging Face tokenizer folder
+    bpe_vocab_size: int = 2048  # vocabulary of the `bpe` tokenizer
+    val_fraction: float = 0.05  # share of the tokens held out for validation
+    cache_dir: str = "~/.cache/hybrid"  # token files and trained tokenizers
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "hybrid"
+    name: str | None = None  # default: the run folder's name
+    entity: str | None = None
+
+
+@dataclass
+class TrackingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class SampleConfig:
+    """The text generated at the end of a run, to see what the model learned."""
+
+    prompt: str = "\n"
+    tokens: int = 100  # 0 disables
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass
+class Config:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    run_dir: str | None = None  # default: runs/<config file name>
+    dist_timeout_s: float = 600.0  # collective timeout before a stuck job is torn down
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides; returns a checked Config."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            presets = ", ".join(sorted(p.stem for p in Path("configs").glob("*.yaml")))
+            raise ConfigError(f"config file {path} not found (presets in configs/: {presets})")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path} must hold a mapping of sections, not {type(loaded).__name__}"
+            )
+        tree = loaded
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' must look like key=value, e.g. train.lr=3e-4")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    config = _build(Config, tree, prefix="")
+    if config.run_dir is None:
+        config.run_dir = str(Path("runs") / (Path(path).stem if path else "default"))
+    validate(config)
+    return config
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set '{key}': '{part}' is a value, not a section")
+    node[leaf] = value
+
+
+def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key the config accepts, e.g. 'train.lr'."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        kind = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys += valid_keys(kind, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown_key(key: str) -> ConfigError:
+    keys = valid_keys()
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    if not near:  # a right leaf in the wrong section: 'lr' -> 'train.lr'
+        leaf = key.rsplit(".", 1)[-1]
+        near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
+    hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(keys)}"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _build(cls: type, tree: Any, prefix: str) -> Any:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"'{prefix.rstrip('.')}' is a section; give it keys, not a value")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in tree.items():
+        if key not in names:
+            full = prefix + str(key)
+            while isinstance(value, dict) and value:  # name the whole key: 'trian.steps'
+                key, value = next(iter(value.items()))
+                full += f".{key}"
+            raise _unknown_key(full)
+    values = {}
+    for name in names & tree.keys():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            values[name] = _build(kind, tree[name], f"{prefix}{name}.")
+        else:
+            values[name] = _coerce(prefix + name, tree[name], kind)
+    return cls(**values)
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    """Check `value` against the field type `kind`, converting what is unambiguous."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        is_null = value is None or (isinstance(value, str) and value.lower() in ("null", "~"))
+        if is_null and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is Literal:
+        for choice in args:
+            if value == choice or str(value) == str(choice):
+                return choice
+        allowed = "|".join(str(a) for a in args)
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {allowed}")
+    if origin is list:
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(key, item, args[0]) for item in items]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "yes", "1", "on"):
+            return True
+        if str(value).lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if kind is int:
+        try:
+            number = float(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not number.is_integer():
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return int(number)
+    if kind is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} must be a number") from None
+    if kind is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return str(value)
+    raise TypeError(f"config field {key} has unsupported type {kind}")
+
+
+def validate(config: Config) -> None:
+    """Checks that need no knowledge of the job's size. See `validate_layout` for those."""
+    m, t, p, d, s = config.model, config.train, config.parallel, config.data, config.sample
+    positive = {
+        "model.n_layer": m.n_layer,
+        "model.n_head": m.n_head,
+        "model.d_model": m.d_model,
+        "model.seq_len": m.seq_len,
+        "parallel.tp": p.tp,
+        "train.steps": t.steps,
+        "train.global_batch_size": t.global_batch_size,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.lr": t.lr,
+        "train.eval_every": t.eval_every,
+        "train.eval_batches": t.eval_batches,
+        "data.bpe_vocab_size": d.bpe_vocab_size,
+        "sample.temperature": s.temperature,
+        "sample.top_k": s.top_k,
+        "dist_timeout_s": config.dist_timeout_s,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    non_negative = {
+        "train.min_lr": t.min_lr,
+        "train.warmup_steps": t.warmup_steps,
+        "train.weight_decay": t.weight_decay,
+        "train.grad_clip": t.grad_clip,
+        "sample.tokens": s.tokens,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be zero or positive")
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} must be positive (or null: from tokenizer)"
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.d_model % m.n_head:
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not divisible by model.n_head={m.n_head}; "
+            f"pick n_head among the divisors of d_model"
+        )
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}; lower min_lr")
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    if m.n_head % p.tp:
+        raise ConfigError(
+            f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
+            f"attention heads are split across tensor-parallel ranks"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence "
+            "across tensor-parallel ranks); set parallel.tp or sequence_parallel=false"
+        )
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size}"
+        )
+
+
+def validate_layout(config: Config, world_size: int) -> int:
+    """Checks against the job's size; returns the data-parallel degree. Run before any
+    process group exists so a bad layout fails fast on every rank alike."""
+    p, t = config.parallel, config.train
+    if world_size % p.tp:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp={p.tp}; "
+            f"launch a multiple of {p.tp} processes or change tp"
+        )
+    dp = world_size // p.tp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"micro_batch_size x dp = {t.micro_batch_size} x {dp}; "
+            f"use a multiple of {t.micro_batch_size * dp}"
+        )
+    if p.tp > 1 or p.zero_stage > 0 or p.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tp={p.tp}, zero_stage={p.zero_stage}, "
+            f"sequence_parallel={p.sequence_parallel} are accepted but not implemented yet; "
+            "this version trains with tp=1, zero_stage=0 (data parallelism)"
+        )
+    return dp
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)

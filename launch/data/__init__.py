@@ -1,0 +1,60 @@
+"""Data pipeline: files -> tokenizer -> packed token file -> train/validation windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ..config import DataConfig
+from .sampler import DistributedBatches, TokenWindows, eval_batches
+from .token_file import build_token_file, corpus_fingerprint, iter_documents, resolve_files
+from .tokenizers import gpt2_tokenizer, load_tokenizer_folder, train_bpe_tokenizer
+
+
+@dataclass
+class PreparedData:
+    tokenizer: PreTrainedTokenizerBase
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+
+
+def load_tokenizer(config: DataConfig, paths: list[Path] | None = None) -> PreTrainedTokenizerBase:
+    cache_dir = Path(config.cache_dir).expanduser()
+    if config.tokenizer == "gpt2":
+        return gpt2_tokenizer()
+    if config.tokenizer == "bpe":
+        paths = paths or resolve_files(config.files)
+        return train_bpe_tokenizer(
+            lambda: iter_documents(paths, config.text_field, cache_dir),
+            config.bpe_vocab_size,
+            corpus_fingerprint(paths, config.text_field),
+            cache_dir,
+        )
+    return load_tokenizer_folder(config.tokenizer)
+
+
+def prepare_data(config: DataConfig) -> PreparedData:
+    """Tokenize (or reuse the cache) and split: the last `val_fraction` of tokens validate.
+
+    Idempotent and cached: in a job, one rank per node runs it first, the others after a
+    barrier, and find everything in the cache.
+    """
+    paths = resolve_files(config.files)
+    cache_dir = Path(config.cache_dir).expanduser()
+    tokenizer = load_tokenizer(config, paths)
+    tokens = build_token_file(paths, tokenizer, config.text_field, cache_dir).open()
+    n_train = int(len(tokens) * (1.0 - config.val_fraction))
+    return PreparedData(tokenizer, tokens[:n_train], tokens[n_train:])
+
+
+__all__ = [
+    "DistributedBatches",
+    "PreparedData",
+    "TokenWindows",
+    "eval_batches",
+    "load_tokenizer",
+    "prepare_data",
+]

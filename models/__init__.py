@@ -1,0 +1,1 @@
+"""Models built from `hybrid` layers."""

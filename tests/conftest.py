@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import gzip
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the `spawn` helper
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for each rank
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One token/tokenizer cache for the whole session, so each corpus is encoded once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first 200 kB of the bundled Shakespeare, as a local text file."""
+    from launch.data.token_file import BUNDLED_CORPUS
+
+    path = tmp_path_factory.mktemp("corpus") / "shakespeare-small.txt"
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        path.write_text(f.read(200_000))
+    return path

@@ -1,0 +1,91 @@
+"""End to end: `torchrun -m launch.pretrain` as a user runs it, with W&B offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from wandb_log import history
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+
+
+def _run(args: list[str], nproc: int | None, cwd: Path) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "launch.pretrain"]
+    if nproc:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "launch.pretrain",
+        ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        launcher + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+def test_pretrain_two_ranks_writes_metrics_and_offline_wandb(
+    small_corpus: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    result = _run(
+        [
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            f"data.files=[{small_corpus}]",
+            "data.bpe_vocab_size=320",
+            f"data.cache_dir={cache_dir}",
+            f"run_dir={run_dir}",
+            "model.n_layer=2",
+            "model.d_model=64",
+            "model.seq_len=32",
+            "train.steps=6",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "train.eval_every=3",
+            "train.warmup_steps=2",
+            "tracking.wandb.mode=offline",
+            "sample.tokens=20",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "--- sample (20 tokens) ---" in result.stdout
+    assert "done: 6 steps" in result.stdout
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r.keys() >= KEYS for r in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [1, 3, 6]
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert (run_dir / "model.safetensors").is_file() and (run_dir / "config.yaml").is_file()
+
+    runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, "one offline W&B run in the run folder"
+    logged = history(runs[0])
+    assert [r["_step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in logged] == [r["loss"] for r in rows]
+    assert [r["_step"] for r in logged if "val_loss" in r] == [1, 3, 6]
+
+
+def test_bad_override_is_one_clear_line(tmp_path: Path) -> None:
+    result = _run(["--config", str(ROOT / "configs" / "tiny.yaml"), "train.lrr=1"], None, tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: unknown config key 'train.lrr'; did you mean 'train.lr'?"
+    )
+    result = _run(
+        ["--config", str(ROOT / "configs" / "tiny.yaml"), "data.files=[nope.txt]"], None, tmp_path
+    )
+    assert result.returncode == 2 and "nope.txt does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
