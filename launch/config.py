@@ -21,6 +21,8 @@ import yaml
 
 from models.gpt import GPTConfig
 
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the key and the fix."""
@@ -101,7 +103,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            presets = ", ".join(sorted(p.stem for p in Path("configs").glob("*.yaml")))
+            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
             raise ConfigError(f"config file {path} not found (presets in configs/: {presets})")
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):

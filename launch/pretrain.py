@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(config.dist_timeout_s)
     try:
         train(config, env, dp)
+    except (
+        ConfigError
+    ) as error:  # found after start-up (e.g. the tokenizer's size): all ranks alike
+        if env.is_main:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
     finally:
         shutdown(env)
     return 0

@@ -11,38 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from small_run import TINY_CONFIG, small_run_overrides
 
 from hybrid.distributed import init_distributed, shutdown, world_size_from_env
 from launch.config import load_config, validate_layout
 from launch.pretrain import train
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
-
 
 def _overrides(corpus: Path, cache: Path, run_dir: Path) -> list[str]:
-    return [
-        f"data.files=[{corpus}]",
-        "data.tokenizer=bpe",
-        "data.bpe_vocab_size=320",
-        f"data.cache_dir={cache}",
-        f"run_dir={run_dir}",
-        "tracking.wandb.mode=disabled",
-        "model.n_layer=2",
-        "model.d_model=64",
-        "model.n_head=4",
-        "model.seq_len=32",
-        "train.steps=8",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
-        "train.warmup_steps=2",
-        "train.eval_every=4",
-        "train.eval_batches=1",
-        "sample.tokens=0",
-    ]
+    extra = ["train.steps=8", "train.eval_every=4", "train.eval_batches=1", "sample.tokens=0"]
+    return small_run_overrides(corpus, cache, run_dir) + extra
 
 
 def _train(overrides: list[str]) -> list[dict]:
-    config = load_config(CONFIG, overrides)
+    config = load_config(TINY_CONFIG, overrides)
     dp = validate_layout(config, world_size_from_env())
     env = init_distributed()
     try:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from small_run import TINY_CONFIG, small_run_overrides
 from wandb_log import history
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,28 +38,9 @@ def test_pretrain_two_ranks_writes_metrics_and_offline_wandb(
     small_corpus: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    result = _run(
-        [
-            "--config",
-            str(ROOT / "configs" / "tiny.yaml"),
-            f"data.files=[{small_corpus}]",
-            "data.bpe_vocab_size=320",
-            f"data.cache_dir={cache_dir}",
-            f"run_dir={run_dir}",
-            "model.n_layer=2",
-            "model.d_model=64",
-            "model.seq_len=32",
-            "train.steps=6",
-            "train.global_batch_size=8",
-            "train.micro_batch_size=2",
-            "train.eval_every=3",
-            "train.warmup_steps=2",
-            "tracking.wandb.mode=offline",
-            "sample.tokens=20",
-        ],
-        nproc=2,
-        cwd=tmp_path,
-    )
+    overrides = small_run_overrides(small_corpus, cache_dir, run_dir)
+    overrides += ["train.steps=6", "train.eval_every=3", "tracking.wandb.mode=offline"]
+    result = _run(["--config", str(TINY_CONFIG), *overrides, "sample.tokens=20"], 2, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "--- sample (20 tokens) ---" in result.stdout
     assert "done: 6 steps" in result.stdout
@@ -79,13 +61,23 @@ def test_pretrain_two_ranks_writes_metrics_and_offline_wandb(
 
 
 def test_bad_override_is_one_clear_line(tmp_path: Path) -> None:
-    result = _run(["--config", str(ROOT / "configs" / "tiny.yaml"), "train.lrr=1"], None, tmp_path)
+    result = _run(["--config", str(TINY_CONFIG), "train.lrr=1"], None, tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: unknown config key 'train.lrr'; did you mean 'train.lr'?"
     )
-    result = _run(
-        ["--config", str(ROOT / "configs" / "tiny.yaml"), "data.files=[nope.txt]"], None, tmp_path
-    )
+    result = _run(["--config", str(TINY_CONFIG), "data.files=[nope.txt]"], None, tmp_path)
     assert result.returncode == 2 and "nope.txt does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_vocab_smaller_than_tokenizer_is_refused(
+    small_corpus: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    overrides = small_run_overrides(small_corpus, cache_dir, tmp_path / "run")
+    result = _run(
+        ["--config", str(TINY_CONFIG), *overrides, "model.vocab_size=256"], None, tmp_path
+    )
+    assert result.returncode == 2
+    assert "model.vocab_size=256 is smaller than the tokenizer's 320 tokens" in result.stderr
     assert "Traceback" not in result.stderr
