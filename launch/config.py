@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from hybrid.topology import check_layout
 from models.gpt import GPTConfig
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -34,6 +35,7 @@ class ParallelConfig:
     zero_stage: Literal[0, 1, 2, 3] = 0
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
+    recompute_every: int = 1  # with recompute=full: only every k-th layer (0, k, 2k, ...)
 
 
 @dataclass
@@ -234,6 +236,7 @@ def validate(config: Config) -> None:
         "model.d_model": m.d_model,
         "model.seq_len": m.seq_len,
         "parallel.tp": p.tp,
+        "parallel.recompute_every": p.recompute_every,
         "train.steps": t.steps,
         "train.global_batch_size": t.global_batch_size,
         "train.micro_batch_size": t.micro_batch_size,
@@ -278,6 +281,11 @@ def validate(config: Config) -> None:
             f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
             f"attention heads are split across tensor-parallel ranks"
         )
+    if p.sequence_parallel and m.seq_len % p.tp:
+        raise ConfigError(
+            f"model.seq_len={m.seq_len} is not divisible by parallel.tp={p.tp}; sequence "
+            "parallelism splits each sequence into tp equal chunks"
+        )
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError(
             "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence "
@@ -294,23 +302,20 @@ def validate_layout(config: Config, world_size: int) -> int:
     """Checks against the job's size; returns the data-parallel degree. Run before any
     process group exists so a bad layout fails fast on every rank alike."""
     p, t = config.parallel, config.train
-    if world_size % p.tp:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tp={p.tp}; "
-            f"launch a multiple of {p.tp} processes or change tp"
-        )
-    dp = world_size // p.tp
+    try:
+        dp = check_layout(world_size, p.tp)
+    except ValueError as error:
+        raise ConfigError(f"parallel.tp: {error}") from None
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"micro_batch_size x dp = {t.micro_batch_size} x {dp}; "
             f"use a multiple of {t.micro_batch_size * dp}"
         )
-    if p.tp > 1 or p.zero_stage > 0 or p.sequence_parallel:
+    if p.zero_stage > 0:
         raise ConfigError(
-            f"parallel.tp={p.tp}, zero_stage={p.zero_stage}, "
-            f"sequence_parallel={p.sequence_parallel} are accepted but not implemented yet; "
-            "this version trains with tp=1, zero_stage=0 (data parallelism)"
+            f"parallel.zero_stage={p.zero_stage} is accepted but not implemented yet; this "
+            "version trains with zero_stage=0 (data parallelism)"
         )
     return dp
 

@@ -28,7 +28,9 @@ from hybrid.distributed import (
     shutdown,
     world_size_from_env,
 )
-from hybrid.recompute import Recompute
+from hybrid.recompute import Recompute, RecomputePolicy
+from hybrid.tensor_parallel import TensorParallel
+from hybrid.topology import Topology
 from models.gpt import GPT, count_parameters, pad_vocab_size
 
 from .config import Config, ConfigError, load_config, to_dict, validate_layout
@@ -95,7 +97,9 @@ def load_data(config: Config, env: DistributedEnv) -> PreparedData:
     return data
 
 
-def build_model(config: Config, n_tokens: int) -> GPT:
+def build_model(config: Config, n_tokens: int, tp: TensorParallel) -> GPT:
+    """The GPT with the vocabulary sized from the tokenizer (padded to a multiple of 128,
+    Megatron's rule; the loss masks the padding), sliced for this TP rank."""
     model_config = config.model
     if model_config.vocab_size is None:
         model_config = dataclasses.replace(model_config, vocab_size=pad_vocab_size(n_tokens))
@@ -104,39 +108,46 @@ def build_model(config: Config, n_tokens: int) -> GPT:
             f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
             f"{n_tokens} tokens; remove model.vocab_size to size it from the tokenizer"
         )
-    return GPT(model_config, Recompute(config.parallel.recompute))
+    p = config.parallel
+    recompute = RecomputePolicy(Recompute(p.recompute), p.recompute_every)
+    return GPT(model_config, tp, recompute, seed=config.train.seed, n_real_tokens=n_tokens)
 
 
 def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
     """Run the whole job; returns the per-step metrics (the same on every rank)."""
-    t = config.train
+    t, p = config.train, config.parallel
     run_dir = Path(config.run_dir)
+    topology = Topology.build(p.tp, env.device.type)
+    assert topology.dp == dp
     data = load_data(config, env)
-    torch.manual_seed(t.seed)  # every rank builds the same model from the same seed
-    model = build_model(config, len(data.tokenizer)).to(env.device)
-    torch.manual_seed(t.seed + 1 + env.rank)  # dropout masks differ between DP ranks
+    # Replicated-region dropout draws from the default generator, seeded alike everywhere;
+    # TP regions from the TP stream (hybrid.tensor_parallel.random).
+    torch.manual_seed(t.seed + 1)
+    tp = TensorParallel.from_topology(topology, t.seed, p.sequence_parallel, env.device)
+    model = build_model(config, len(data.tokenizer), tp).to(env.device)
     ddp_model = model
-    if env.world_size > 1:
+    if topology.dp > 1:
         ddp_model = DistributedDataParallel(
-            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None
+            model,
+            device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+            process_group=topology.dp_group.process_group,
         )
     optimizer = build_optimizer(model, t)
     precision = Precision(t.precision, env.device)
-    rank = env.rank  # tp = 1: the DP rank is the global rank
     batches = DistributedBatches(
         TokenWindows(data.train_tokens, model.config.seq_len),
         t.seed,
         t.global_batch_size,
         t.micro_batch_size,
-        rank,
-        dp,
+        topology.dp_rank,
+        topology.dp,
     )
     val_set = eval_batches(
         TokenWindows(data.val_tokens, model.config.seq_len),
         t.eval_batches * t.global_batch_size,
         t.micro_batch_size,
-        rank,
-        dp,
+        topology.dp_rank,
+        topology.dp,
     )
     tracker = None
     if env.is_main:
@@ -147,7 +158,9 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
         print(
             f"model: {count_parameters(model.config):,} parameters "
             f"({model.config.n_layer} layers, d_model {model.config.d_model}, "
-            f"vocab {model.config.vocab_size}) | world {env.world_size} = dp {dp} x tp 1 | "
+            f"vocab {model.config.vocab_size}) | {topology.describe()}"
+            f"{' + sequence parallel' if p.sequence_parallel else ''} | "
+            f"recompute {p.recompute} | "
             f"{t.global_batch_size // (t.micro_batch_size * dp)} micro-batches per step | "
             f"{len(data.train_tokens):,} train tokens | device {env.device}",
             flush=True,
@@ -164,7 +177,14 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, grad_norm = train_step(
-            ddp_model, optimizer, batches.next_step(), precision, t.grad_clip, env
+            ddp_model,
+            optimizer,
+            batches.next_step(),
+            precision,
+            t.grad_clip,
+            tp,
+            topology.dp_group,
+            env.device,
         )
         elapsed = time.perf_counter() - tick
         metrics = {
@@ -176,25 +196,31 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
             "step_time_s": elapsed,
         }
         if step + 1 in evaluate_after:
-            metrics["val_loss"] = evaluate(model, val_set, precision, env)
+            metrics["val_loss"] = evaluate(model, val_set, precision, topology.dp_group, env.device)
         history.append(metrics)
         if tracker is not None:
             tracker.log(metrics)
     total_time = time.perf_counter() - started
 
+    sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
     if tracker is not None:
         tracker.finish()
         save_model(model, str(run_dir / "model.safetensors"))
         data.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
-        print_sample(model, data, config, env)
+        if sample is not None:
+            print(
+                f"--- sample ({config.sample.tokens} tokens) ---\n{sample}\n--- end of sample ---"
+            )
         print(summary_line(history, total_time, run_dir), flush=True)
     return history
 
 
-def print_sample(model: GPT, data: PreparedData, config: Config, env: DistributedEnv) -> None:
+def generate_sample(
+    model: GPT, data: PreparedData, config: Config, env: DistributedEnv
+) -> str | None:
     s = config.sample
     if s.tokens == 0:
-        return
+        return None
     prompt = data.tokenizer.encode(s.prompt, add_special_tokens=False) or [
         data.tokenizer.eos_token_id or 0
     ]
@@ -205,11 +231,9 @@ def print_sample(model: GPT, data: PreparedData, config: Config, env: Distribute
         s.tokens,
         s.temperature,
         s.top_k,
-        n_real_tokens=len(data.tokenizer),
         generator=generator,
     )
-    text = data.tokenizer.decode(out[0].tolist())
-    print(f"--- sample ({s.tokens} tokens) ---\n{text}\n--- end of sample ---", flush=True)
+    return data.tokenizer.decode(out[0].tolist())
 
 
 def summary_line(history: list[dict[str, Any]], total_time: float, run_dir: Path) -> str:

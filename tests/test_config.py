@@ -126,7 +126,7 @@ def test_layout_checks_against_world_size() -> None:
     with pytest.raises(ConfigError, match="not divisible by micro_batch_size x dp = 8 x 4"):
         validate_layout(config, 4)
     config = load_config(CONFIGS / "tiny.yaml", ["parallel.tp=4"])
-    with pytest.raises(ConfigError, match="world size 6 is not divisible by parallel.tp=4"):
+    with pytest.raises(ConfigError, match="parallel.tp: world size 6 is not divisible by tp=4"):
         validate_layout(config, 6)
     with pytest.raises(ConfigError, match="model.n_head=4 is not divisible by parallel.tp=8"):
         load_config(CONFIGS / "tiny.yaml", ["parallel.tp=8"])

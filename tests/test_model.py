@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybrid.recompute import Recompute
+from hybrid.recompute import Recompute, RecomputePolicy
 from models.gpt import GPT, GPTConfig, count_parameters, flops_per_token, pad_vocab_size
 
 CONFIGS = [
@@ -75,7 +75,7 @@ def test_recompute_gives_identical_gradients_with_dropout(mode: Recompute) -> No
     grads = []
     for recompute in (Recompute.NONE, mode):
         torch.manual_seed(0)
-        model = GPT(config, recompute)
+        model = GPT(config, recompute=RecomputePolicy(recompute))
         model(idx, idx).backward()  # same seed: same dropout masks, restored in recompute
         grads.append([p.grad.clone() for p in model.parameters()])
     for reference, recomputed in zip(*grads, strict=True):
@@ -93,10 +93,8 @@ def test_dropout_is_active_in_training_only() -> None:
 
 def test_generate_never_samples_vocab_padding() -> None:
     config = GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=8, vocab_size=128)
-    model = GPT(config).eval()
-    out = model.generate(
-        torch.zeros(1, 1, dtype=torch.long), 40, temperature=5.0, top_k=None, n_real_tokens=100
-    )
+    model = GPT(config, n_real_tokens=100).eval()
+    out = model.generate(torch.zeros(1, 1, dtype=torch.long), 40, temperature=5.0, top_k=None)
     assert out.shape == (1, 41) and int(out.max()) < 100
 
 

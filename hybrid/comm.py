@@ -1,0 +1,109 @@
+"""The collectives the library uses, each counted by kind and group.
+
+`Group` wraps one process group (or none, for a group of one rank) with the few collectives
+tensor and data parallelism need. Every call is recorded in a `CollectiveCounter` shared by
+the groups of one topology, so tests and benchmarks compare what moved with theory.
+
+Bytes counted per call (this rank's view, the convention of the ZeRO paper's volumes):
+- all-reduce: the tensor's size;
+- all-gather: the gathered (full) tensor's size;
+- reduce-scatter: the input (full) tensor's size.
+A group of one rank runs no collective and records nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CollectiveCounter:
+    """calls and bytes per (kind, group name), e.g. ('all_reduce', 'tp')."""
+
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, group: str, nbytes: int) -> None:
+        self.calls[kind, group] += 1
+        self.bytes[kind, group] += nbytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        """A copy of the call counts, to diff around a region of interest."""
+        return dict(self.calls)
+
+
+class Group:
+    """One process group with counted collectives. `process_group=None` with size 1 means
+    this rank alone: every collective is then the identity and costs nothing."""
+
+    def __init__(
+        self,
+        name: str,
+        process_group: dist.ProcessGroup | None,
+        counter: CollectiveCounter,
+    ) -> None:
+        self.name = name
+        self.process_group = process_group
+        self.counter = counter
+        self.size = 1 if process_group is None else dist.get_world_size(process_group)
+        self.rank = 0 if process_group is None else dist.get_rank(process_group)
+
+    @classmethod
+    def single(cls, name: str, counter: CollectiveCounter | None = None) -> Group:
+        return cls(name, None, counter or CollectiveCounter())
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """In place; returns `tensor`."""
+        if self.size > 1:
+            self.counter.record("all_reduce", self.name, _nbytes(tensor))
+            dist.all_reduce(tensor, op=op, group=self.process_group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along `dim`, in rank order."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+        out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        self.counter.record("all_gather", self.name, _nbytes(out))
+        dist.all_gather_into_tensor(out, tensor, group=self.process_group)
+        return out.movedim(0, dim) if dim != 0 else out
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's 1/size slice along `dim`."""
+        if self.size == 1:
+            return tensor
+        if tensor.shape[dim] % self.size:
+            raise ValueError(
+                f"reduce-scatter over {self.size} ranks needs dim {dim} of {tuple(tensor.shape)} "
+                f"to be divisible by {self.size}"
+            )
+        tensor = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+        out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
+        self.counter.record("reduce_scatter", self.name, _nbytes(tensor))
+        dist.reduce_scatter_tensor(out, tensor, group=self.process_group)
+        return out.movedim(0, dim) if dim != 0 else out
+
+    def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous 1/size slice along `dim` (no communication)."""
+        if self.size == 1:
+            return tensor
+        if tensor.shape[dim] % self.size:
+            raise ValueError(
+                f"cannot split dim {dim} of {tuple(tensor.shape)} over {self.size} ranks"
+            )
+        return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
