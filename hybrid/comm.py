@@ -76,7 +76,7 @@ class Group:
         tensor = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         self.counter.record("all_gather", self.name, _nbytes(out))
-        dist.all_gather_into_tensor(out, tensor, group=self.process_group)
+        dist.all_gather_single(out, tensor, group=self.process_group)
         return out.movedim(0, dim) if dim != 0 else out
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -91,7 +91,7 @@ class Group:
         tensor = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
         out = tensor.new_empty((tensor.shape[0] // self.size, *tensor.shape[1:]))
         self.counter.record("reduce_scatter", self.name, _nbytes(tensor))
-        dist.reduce_scatter_tensor(out, tensor, group=self.process_group)
+        dist.reduce_scatter_single(out, tensor, group=self.process_group)
         return out.movedim(0, dim) if dim != 0 else out
 
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:

@@ -6,12 +6,14 @@ its traceback comes back through a queue, so a failing rank shows its own error.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -32,7 +34,11 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         OMP_NUM_THREADS="1",
     )
     try:
-        queue.put((rank, "ok", fn(*args)))
+        # Bytes, not tensors: a tensor sent through a queue lives in this process's shared
+        # memory, which is gone once this process exits.
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -55,7 +61,7 @@ def run_processes(fn: Callable, world_size: int, *args: Any, timeout_s: float = 
             rank, status, value = queue.get(timeout=timeout_s)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=True)
     finally:
         for p in procs:
             p.join(timeout=30)
