@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the `spawn` helper
+sys.path.insert(0, str(ROOT / "tests"))  # helpers: small_run, tp_cases, wandb_log
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for each rank
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -36,7 +36,7 @@ def _train(overrides: list[str]) -> list[dict]:
 def test_two_ranks_match_single_process(
     small_corpus: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
-    from spawn import run_processes
+    from hybrid.testing import run_processes
 
     single = _train(_overrides(small_corpus, cache_dir, tmp_path / "single"))
     ranks = run_processes(_train, 2, _overrides(small_corpus, cache_dir, tmp_path / "dp2"))

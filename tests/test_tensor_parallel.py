@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import tp_cases
-from spawn import run_processes
 
+from hybrid.testing import run_processes
 from hybrid.topology import check_layout
 from models.gpt import GPT, GPTConfig
 from models.gpt.model import check_tp_shapes

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from hybrid.dropout import dropout
 from hybrid.recompute import RecomputePolicy, maybe_recompute
 from hybrid.tensor_parallel import (
     ColumnParallelLinear,
@@ -55,11 +56,23 @@ class CausalSelfAttention(nn.Module):
         return self.proj(rearrange(y, "b h s d -> s b (h d)"))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V with the causal mask and attention dropout; the heads
-        differ across TP ranks, so the dropout draws from the TP stream."""
-        p = self.dropout if self.training else 0.0
+        """softmax(QK^T / sqrt(d)) V with the causal mask and attention dropout.
+
+        Without dropout: the fused kernel (flash attention where available), which keeps no
+        s x s tensor. With dropout: the explicit form, which keeps exactly the paper's
+        5as^2b bytes (softmax output, 1-byte mask, dropout output; Korthikanti et al. 4.1);
+        SDPA's CPU fallback would keep three fp32 s x s tensors instead. The heads differ
+        across TP ranks, so the dropout draws from the TP stream.
+        """
+        if not (self.training and self.dropout > 0):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        seq = q.shape[-2]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
+        probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         with self.tp.split_region_rng():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            probs = dropout(probs, self.dropout, self.training)
+        return torch.matmul(probs, v)
 
 
 class MLP(nn.Module):
@@ -94,7 +107,7 @@ class Block(nn.Module):
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
         with self.tp.residual_rng():
-            return F.dropout(x, self.dropout, self.training)
+            return dropout(x, self.dropout, self.training)
 
 
 class GPT(nn.Module):
@@ -177,7 +190,7 @@ class GPT(nn.Module):
         positions = torch.arange(start, start + chunk, device=ids.device)
         x = x + self.wpe(positions).unsqueeze(1)
         with self.tp.residual_rng():
-            return F.dropout(x, self.config.dropout, self.training)
+            return dropout(x, self.config.dropout, self.training)
 
     @torch.no_grad()
     def generate(

@@ -1,4 +1,4 @@
-"""Run a function in N processes over gloo inside a test, as torchrun would.
+"""Run a function in N local processes over gloo, as torchrun would (tests, benchmarks).
 
 Each child gets RANK, WORLD_SIZE, LOCAL_RANK and a free MASTER_PORT; its return value or
 its traceback comes back through a queue, so a failing rank shows its own error.
