@@ -109,6 +109,7 @@ def test_unknown_key_in_yaml_file(tmp_path: Path) -> None:
         ("model.n_head=3", "model.d_model=128 is not divisible by model.n_head=3"),
         ("train.global_batch_size=12", "not a multiple of train.micro_batch_size=8"),
         ("parallel.sequence_parallel=true", "needs parallel.tp > 1"),
+        ("parallel.recompute_every=0", "parallel.recompute_every=0 must be positive"),
         ("train.min_lr=1", "exceeds train.lr"),
         ("train", "must look like key=value"),
         ("train=3", "'train' is a section"),
@@ -130,6 +131,20 @@ def test_layout_checks_against_world_size() -> None:
         validate_layout(config, 6)
     with pytest.raises(ConfigError, match="model.n_head=4 is not divisible by parallel.tp=8"):
         load_config(CONFIGS / "tiny.yaml", ["parallel.tp=8"])
+
+
+def test_tensor_parallel_shapes_are_checked_before_start() -> None:
+    with pytest.raises(ConfigError, match="model.n_head=4 is not divisible by parallel.tp=8"):
+        load_config(CONFIGS / "tiny.yaml", ["parallel.tp=8"])
+    with pytest.raises(ConfigError, match="model.seq_len=130 is not divisible by parallel.tp=4"):
+        load_config(
+            CONFIGS / "tiny.yaml",
+            ["parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=130"],
+        )
+    config = load_config(CONFIGS / "tiny.yaml", ["parallel.tp=2", "parallel.sequence_parallel=1"])
+    assert validate_layout(config, 4) == 2  # tp=2 x dp=2
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by tp=2"):
+        validate_layout(config, 3)
 
 
 def test_missing_config_file_lists_presets() -> None:

@@ -13,109 +13,70 @@ Every operator returns its input unchanged when the group has one rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..comm import Group
 
+Op = Callable[[torch.Tensor, Group], torch.Tensor]
 
-class _CopyToRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce the gradient backward."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
+class _Conjugate(torch.autograd.Function):
+    """`forward_op` on the way in, `backward_op` on the gradient on the way back."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.all_reduce(grad.clone()), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    def forward(ctx: Any, x: torch.Tensor, group: Group, forward_op: Op, backward_op: Op) -> Any:
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return group.all_reduce(x.clone())
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather the last dim forward; keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return group.all_gather(x, dim=-1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.split(grad, dim=-1), None
+def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    """Keep this rank's chunk of the sequence forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return group.split(x, dim=0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.all_gather(grad, dim=0), None
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return group.all_reduce(x.clone())  # never in place: autograd may share the tensor
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    """All-gather the sequence forward; reduce-scatter the gradient backward (SP's f)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return group.all_gather(x, dim=0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.reduce_scatter(grad, dim=0), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward; all-gather the gradient backward (SP's g)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return group.reduce_scatter(x, dim=0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.all_gather(grad, dim=0), None
+def _conjugate(x: torch.Tensor, group: Group, forward_op: Op, backward_op: Op) -> torch.Tensor:
+    return x if group.size == 1 else _Conjugate.apply(x, group, forward_op, backward_op)
 
 
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _CopyToRegion.apply(x, group)
+    """f: identity forward, all-reduce backward."""
+    return _conjugate(x, group, _identity, _all_reduce)
 
 
 def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
+    """g: all-reduce forward, identity backward."""
+    return _conjugate(x, group, _all_reduce, _identity)
 
 
 def gather_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _GatherFromRegion.apply(x, group)
+    """All-gather the last dim forward; this rank's slice of the gradient backward."""
+    return _conjugate(x, group, lambda t, g: g.all_gather(t, -1), lambda t, g: g.split(t, -1))
 
 
 def scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _ScatterToSequence.apply(x, group)
+    """This rank's chunk of the sequence forward; all-gather the gradient backward."""
+    return _conjugate(x, group, lambda t, g: g.split(t, 0), lambda t, g: g.all_gather(t, 0))
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _GatherFromSequence.apply(x, group)
+    """SP's f: all-gather the sequence forward, reduce-scatter the gradient backward."""
+    return _conjugate(
+        x, group, lambda t, g: g.all_gather(t, 0), lambda t, g: g.reduce_scatter(t, 0)
+    )
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _ReduceScatterToSequence.apply(x, group)
+    """SP's g: reduce-scatter along the sequence forward, all-gather the gradient backward."""
+    return _conjugate(
+        x, group, lambda t, g: g.reduce_scatter(t, 0), lambda t, g: g.all_gather(t, 0)
+    )
