@@ -1,0 +1,111 @@
+"""Worker functions for the ZeRO engine tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tp_cases import in_process_group
+
+from hybrid.engine import Engine, EngineConfig
+from hybrid.recompute import Recompute, RecomputePolicy
+from hybrid.tensor_parallel import TensorParallel
+from hybrid.topology import Topology
+from models.gpt import GPT, GPTConfig
+
+SEED = 3
+STEPS = 20
+GLOBAL_BATCH, MICRO = 8, 2
+CONFIG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=200)
+LR, WEIGHT_DECAY, CLIP = 3e-3, 0.1, 0.5
+
+
+def global_batches() -> list[torch.Tensor]:
+    """Counting sequences from random starts: learnable, so the losses move."""
+    g = torch.Generator().manual_seed(9)
+    steps = torch.arange(CONFIG.seq_len + 1)
+    return [
+        (torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, 1), generator=g) + steps)
+        % CONFIG.vocab_size
+        for _ in range(STEPS)
+    ]
+
+
+def reference_losses() -> list[float]:
+    """Single process, plain torch.optim.AdamW, gradient accumulation, clipping."""
+    model = GPT(CONFIG, seed=SEED)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": other, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+    )
+    losses = []
+    for batch in global_batches():
+        total = 0.0
+        for micro in batch.split(MICRO):
+            loss = model(micro[:, :-1], micro[:, 1:]) / (GLOBAL_BATCH // MICRO)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def engine_losses(
+    stage: int, tp: int, sequence_parallel: bool = False, recompute: str = "none"
+) -> list[float]:
+    def work() -> list[float]:
+        topology = Topology.build(tp)
+        parallel = TensorParallel.from_topology(topology, SEED, sequence_parallel)
+        model = GPT(CONFIG, parallel, RecomputePolicy(Recompute(recompute)), seed=SEED)
+        per_rank = GLOBAL_BATCH // topology.dp
+        config = EngineConfig(
+            zero_stage=stage,
+            micro_batches=per_rank // MICRO,
+            grad_clip=CLIP,
+            weight_decay=WEIGHT_DECAY,
+        )
+        engine = Engine(model, topology, parallel, config, units=list(model.blocks))
+        losses = []
+        for batch in global_batches():
+            mine = batch[topology.dp_rank * per_rank : (topology.dp_rank + 1) * per_rank]
+            total = torch.zeros(())
+            for micro in mine.split(MICRO):
+                loss = engine(micro[:, :-1], micro[:, 1:])
+                engine.backward(loss)
+                total += loss.detach() / config.micro_batches
+            engine.step(LR)
+            losses.append(float(topology.dp_group.all_reduce(total) / topology.dp))
+        return losses
+
+    return in_process_group(work)
+
+
+def state_bytes(stage: int, tp: int, config: GPTConfig, precision: str) -> dict[str, Any]:
+    def work() -> dict[str, Any]:
+        topology = Topology.build(tp)
+        parallel = TensorParallel.from_topology(topology, SEED)
+        model = GPT(config, parallel, seed=SEED)
+        psi = sum(p.numel() for p in model.parameters())
+        engine = Engine(
+            model,
+            topology,
+            parallel,
+            EngineConfig(zero_stage=stage, precision=precision),
+            units=list(model.blocks),
+        )
+        x = torch.randint(0, config.vocab_size, (1, config.seq_len + 1))
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step(1e-4)
+        return {
+            "psi": psi,
+            "dp": topology.dp,
+            "bytes": engine.model_state_bytes(),
+            "padding": sum(b.padding for b in engine.buckets),
+        }
+
+    return in_process_group(work)
