@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .tensor_parallel import TensorParallel, parameter_shards
+from .tensor_parallel import TensorParallel, named_full_tensors, parameter_shards
 from .topology import Topology
 from .zero.bucket import Bucket
 
@@ -272,6 +272,21 @@ class Engine:
         self._free(bucket)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: (self._gather(bucket), grad)[1])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as the tp=1, dp=1 model has it (gathered across DP and TP);
+        every rank must call it."""
+        if self.config.zero_stage == 3:
+            for bucket in self.buckets:
+                self._gather(bucket)
+        state = {
+            name: tensor.detach().contiguous().clone()
+            for name, tensor in named_full_tensors(self.module, self.tp.group)
+        }
+        if self.config.zero_stage == 3:
+            for bucket in self.buckets:
+                self._free(bucket)
+        return state
 
     # ---- accounting -----------------------------------------------------------------------
 

@@ -312,11 +312,6 @@ def validate_layout(config: Config, world_size: int) -> int:
             f"micro_batch_size x dp = {t.micro_batch_size} x {dp}; "
             f"use a multiple of {t.micro_batch_size * dp}"
         )
-    if p.zero_stage > 0:
-        raise ConfigError(
-            f"parallel.zero_stage={p.zero_stage} is accepted but not implemented yet; this "
-            "version trains with zero_stage=0 (data parallelism)"
-        )
     return dp
 
 

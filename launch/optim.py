@@ -1,26 +1,10 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine schedule."""
+"""The learning-rate schedule: linear warmup, then cosine decay."""
 
 from __future__ import annotations
 
 import math
 
-import torch
-from torch import nn
-
 from .config import TrainConfig
-
-
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """Decay weight matrices and embeddings; not biases or LayerNorm gains (GPT-3, 2.2)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def lr_at(step: int, config: TrainConfig) -> float:

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import save_model
-from torch.nn.parallel import DistributedDataParallel
+from safetensors.torch import save_file
 
 from hybrid.distributed import (
     DistributedEnv,
@@ -28,6 +27,7 @@ from hybrid.distributed import (
     shutdown,
     world_size_from_env,
 )
+from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
@@ -37,9 +37,9 @@ from .config import Config, ConfigError, load_config, to_dict, validate_layout
 from .data import DistributedBatches, PreparedData, TokenWindows, eval_batches, prepare_data
 from .data.token_file import resolve_files
 from .data.tokenizers import load_tokenizer_folder
-from .optim import build_optimizer, lr_at
+from .optim import lr_at
 from .tracking import Tracker, format_count, rotate_old_metrics
-from .trainer import Precision, eval_steps, evaluate, train_step
+from .trainer import eval_steps, evaluate, train_step
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -125,15 +125,19 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
     torch.manual_seed(t.seed + 1)
     tp = TensorParallel.from_topology(topology, t.seed, p.sequence_parallel, env.device)
     model = build_model(config, len(data.tokenizer), tp).to(env.device)
-    ddp_model = model
-    if topology.dp > 1:
-        ddp_model = DistributedDataParallel(
-            model,
-            device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-            process_group=topology.dp_group.process_group,
-        )
-    optimizer = build_optimizer(model, t)
-    precision = Precision(t.precision, env.device)
+    engine = Engine(
+        model,
+        topology,
+        tp,
+        EngineConfig(
+            zero_stage=p.zero_stage,
+            precision=t.precision,
+            micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
+            grad_clip=t.grad_clip,
+            weight_decay=t.weight_decay,
+        ),
+        units=list(model.blocks),
+    )
     batches = DistributedBatches(
         TokenWindows(data.train_tokens, model.config.seq_len),
         t.seed,
@@ -174,18 +178,7 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
     for step in range(t.steps):
         tick = time.perf_counter()
         lr = lr_at(step, t)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss, grad_norm = train_step(
-            ddp_model,
-            optimizer,
-            batches.next_step(),
-            precision,
-            t.grad_clip,
-            tp,
-            topology.dp_group,
-            env.device,
-        )
+        loss, grad_norm, skipped = train_step(engine, batches.next_step(), lr, env.device)
         elapsed = time.perf_counter() - tick
         metrics = {
             "step": step + 1,
@@ -195,17 +188,20 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
             "tokens_per_s": tokens_per_step / elapsed,
             "step_time_s": elapsed,
         }
+        if skipped:
+            metrics["skipped"] = True  # fp16 overflow: no update, lower loss scale
         if step + 1 in evaluate_after:
-            metrics["val_loss"] = evaluate(model, val_set, precision, topology.dp_group, env.device)
+            metrics["val_loss"] = evaluate(engine, val_set, topology.dp_group, env.device)
         history.append(metrics)
         if tracker is not None:
             tracker.log(metrics)
     total_time = time.perf_counter() - started
 
     sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
+    weights = engine.full_state_dict()  # every rank: gathers across TP and DP
     if tracker is not None:
         tracker.finish()
-        save_model(model, str(run_dir / "model.safetensors"))
+        save_file(weights, str(run_dir / "model.safetensors"))
         data.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
         if sample is not None:
             print(
