@@ -22,13 +22,10 @@ Where our layer differs from the paper's count (all small at these sizes):
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybrid.distributed import init_distributed, shutdown
 from hybrid.recompute import Recompute, RecomputePolicy

@@ -1,4 +1,5 @@
-"""2D parallelism through `launch.pretrain`: tp=2 x dp=2 (4 processes) trains like one process.
+"""2D parallelism through `launch.pretrain`: 4 processes (tp=2 x dp=2, or dp=4 with ZeRO)
+train like one process.
 
 10 AdamW steps on the same global batches; every step's loss (metrics.jsonl) within 1e-5
 relative of the single-process run (fp32, dropout 0), with plain TP, with sequence
@@ -23,6 +24,14 @@ VARIANTS = {
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "tp2-selective": ["parallel.tp=2", "parallel.recompute=selective"],
     "tp2-sp-full": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=full"],
+    "tp2-sp-full-zero3": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.recompute=full",
+        "parallel.zero_stage=3",
+    ],
+    "dp4-zero1": ["parallel.zero_stage=1"],
+    "dp4-zero2": ["parallel.zero_stage=2"],
 }
 
 
