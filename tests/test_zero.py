@@ -25,3 +25,10 @@ def test_stage_matches_adamw(stage: int, dp: int, reference: list[float]) -> Non
 def test_stage3_tp2_dp2_sequence_parallel_full_recompute(reference: list[float]) -> None:
     losses = run_processes(zero_cases.engine_losses, 4, 3, 2, True, "full")[0]
     assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere() -> None:
+    for records in run_processes(zero_cases.fp16_overflow, 2):
+        assert [r["skipped"] for r in records] == [False, False, True, False]
+        assert [r["scale"] for r in records] == [1024.0, 1024.0, 512.0, 512.0]
+        assert [r["changed"] for r in records] == [True, True, False, True]

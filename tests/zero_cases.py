@@ -109,3 +109,36 @@ def state_bytes(stage: int, tp: int, config: GPTConfig, precision: str) -> dict[
         }
 
     return in_process_group(work)
+
+
+def fp16_overflow() -> list[dict[str, Any]]:
+    """fp16 at dp=2, stage 2: rank 1's loss becomes inf at step 2 only; every rank must skip
+    that step and halve the loss scale, and train normally before and after."""
+
+    def work() -> list[dict[str, Any]]:
+        topology = Topology.build(1)
+        parallel = TensorParallel.from_topology(topology, SEED)
+        model = GPT(CONFIG, parallel, seed=SEED)
+        engine = Engine(
+            model,
+            topology,
+            parallel,
+            EngineConfig(zero_stage=2, precision="fp16", initial_loss_scale=1024.0),
+            units=list(model.blocks),
+        )
+        records = []
+        for step, batch in enumerate(global_batches()[:4]):
+            mine = batch[topology.dp_rank * 4 : (topology.dp_rank + 1) * 4]
+            loss = engine(mine[:, :-1], mine[:, 1:])
+            if step == 2 and topology.dp_rank == 1:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            before = model.blocks[0].mlp.fc.weight.detach().clone()
+            stats = engine.step(LR)
+            changed = not torch.equal(before, model.blocks[0].mlp.fc.weight.detach())
+            records.append(
+                {"skipped": stats.skipped, "scale": stats.loss_scale, "changed": changed}
+            )
+        return records
+
+    return in_process_group(work)
