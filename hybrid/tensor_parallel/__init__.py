@@ -3,7 +3,7 @@ loss, sequence parallelism and the TP-aware random stream."""
 
 from .context import TensorParallel
 from .cross_entropy import vocab_parallel_cross_entropy
-from .grads import clip_grad_norm, sync_sequence_parallel_grads
+from .grads import sync_sequence_parallel_grads
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
     copy_to_region,
@@ -23,7 +23,6 @@ __all__ = [
     "TPRandom",
     "TensorParallel",
     "VocabParallelEmbedding",
-    "clip_grad_norm",
     "copy_to_region",
     "gather_from_region",
     "gather_from_sequence",
