@@ -94,6 +94,33 @@ class Group:
         dist.reduce_scatter_single(out, tensor, group=self.process_group)
         return out.movedim(0, dim) if dim != 0 else out
 
+    # ---- asynchronous, in place: for overlapping communication with compute (ZeRO) ----
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Handle:
+        """Start a SUM all-reduce of `tensor` in place; `wait()` the handle before use."""
+        if self.size == 1:
+            return Handle(None)
+        self.counter.record("all_reduce", self.name, _nbytes(tensor))
+        return Handle(dist.all_reduce(tensor, group=self.process_group, async_op=True))
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor) -> Handle:
+        """Start gathering every rank's flat `shard` into flat `out` (size x as long)."""
+        if self.size == 1:
+            out.copy_(shard)
+            return Handle(None)
+        self.counter.record("all_gather", self.name, _nbytes(out))
+        work = dist.all_gather_single(out, shard, group=self.process_group, async_op=True)
+        return Handle(work)
+
+    def reduce_scatter_into(self, out: torch.Tensor, flat: torch.Tensor) -> Handle:
+        """Start summing flat `flat` over ranks into this rank's 1/size slice `out`."""
+        if self.size == 1:
+            out.copy_(flat)
+            return Handle(None)
+        self.counter.record("reduce_scatter", self.name, _nbytes(flat))
+        work = dist.reduce_scatter_single(out, flat, group=self.process_group, async_op=True)
+        return Handle(work)
+
     def split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's contiguous 1/size slice along `dim` (no communication)."""
         if self.size == 1:
@@ -103,6 +130,34 @@ class Group:
                 f"cannot split dim {dim} of {tuple(tensor.shape)} over {self.size} ranks"
             )
         return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+class VirtualGroup(Group):
+    """A group's size and rank with no processes behind it: for building a model on the
+    meta device at a layout this job does not run (planning shard shapes and memory).
+    Every collective refuses."""
+
+    def __init__(self, name: str, size: int, rank: int) -> None:
+        super().__init__(name, None, CollectiveCounter())
+        self.size, self.rank = size, rank
+
+    def _refuse(self, *args: object, **kwargs: object) -> Handle:
+        raise RuntimeError(f"virtual group {self.name!r} (planning only) cannot communicate")
+
+    all_reduce = all_gather = reduce_scatter = _refuse  # type: ignore[assignment]
+    all_reduce_async = all_gather_into = reduce_scatter_into = _refuse  # type: ignore[assignment]
+
+
+class Handle:
+    """An issued collective; `wait()` blocks until its result may be read."""
+
+    def __init__(self, work: dist.Work | None) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

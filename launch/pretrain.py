@@ -97,9 +97,12 @@ def load_data(config: Config, env: DistributedEnv) -> PreparedData:
     return data
 
 
-def build_model(config: Config, n_tokens: int, tp: TensorParallel) -> GPT:
+def build_model(
+    config: Config, n_tokens: int, tp: TensorParallel, device: torch.device | str
+) -> GPT:
     """The GPT with the vocabulary sized from the tokenizer (padded to a multiple of 128,
-    Megatron's rule; the loss masks the padding), sliced for this TP rank."""
+    Megatron's rule; the loss masks the padding), sliced for this TP rank. Under ZeRO-3 it
+    is built on the meta device and the Engine materialises only this rank's shard."""
     model_config = config.model
     if model_config.vocab_size is None:
         model_config = dataclasses.replace(model_config, vocab_size=pad_vocab_size(n_tokens))
@@ -110,7 +113,9 @@ def build_model(config: Config, n_tokens: int, tp: TensorParallel) -> GPT:
         )
     p = config.parallel
     recompute = RecomputePolicy(Recompute(p.recompute), p.recompute_every)
-    return GPT(model_config, tp, recompute, seed=config.train.seed, n_real_tokens=n_tokens)
+    return GPT(
+        model_config, tp, recompute, config.train.seed, n_real_tokens=n_tokens, device=device
+    )
 
 
 def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
@@ -124,7 +129,8 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
     # TP regions from the TP stream (hybrid.tensor_parallel.random).
     torch.manual_seed(t.seed + 1)
     tp = TensorParallel.from_topology(topology, t.seed, p.sequence_parallel, env.device)
-    model = build_model(config, len(data.tokenizer), tp).to(env.device)
+    device = "meta" if p.zero_stage == 3 else env.device
+    model = build_model(config, len(data.tokenizer), tp, device)
     engine = Engine(
         model,
         topology,
@@ -137,6 +143,7 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
             weight_decay=t.weight_decay,
         ),
         units=list(model.blocks),
+        device=env.device,
     )
     batches = DistributedBatches(
         TokenWindows(data.train_tokens, model.config.seq_len),

@@ -16,7 +16,7 @@ from models.gpt import GPT, GPTConfig
 SEED = 3
 STEPS = 20
 GLOBAL_BATCH, MICRO = 8, 2
-CONFIG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=200)
+CONFIG = GPTConfig(n_layer=3, n_head=4, d_model=32, seq_len=16, vocab_size=200)
 LR, WEIGHT_DECAY, CLIP = 3e-3, 0.1, 0.5
 
 
@@ -56,7 +56,11 @@ def reference_losses() -> list[float]:
 
 
 def engine_losses(
-    stage: int, tp: int, sequence_parallel: bool = False, recompute: str = "none"
+    stage: int,
+    tp: int,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    bucket_mb: float = 25.0,
 ) -> list[float]:
     def work() -> list[float]:
         topology = Topology.build(tp)
@@ -68,8 +72,11 @@ def engine_losses(
             micro_batches=per_rank // MICRO,
             grad_clip=CLIP,
             weight_decay=WEIGHT_DECAY,
+            bucket_mb=bucket_mb,
         )
         engine = Engine(model, topology, parallel, config, units=list(model.blocks))
+        if bucket_mb < 0.5 and stage < 3:  # units of ~50 kB: buckets of 2 units, then 1
+            assert [len(b.params) for b in engine.buckets] == [4, 24, 12]
         losses = []
         for batch in global_batches():
             mine = batch[topology.dp_rank * per_rank : (topology.dp_rank + 1) * per_rank]
@@ -81,32 +88,6 @@ def engine_losses(
             engine.step(LR)
             losses.append(float(topology.dp_group.all_reduce(total) / topology.dp))
         return losses
-
-    return in_process_group(work)
-
-
-def state_bytes(stage: int, tp: int, config: GPTConfig, precision: str) -> dict[str, Any]:
-    def work() -> dict[str, Any]:
-        topology = Topology.build(tp)
-        parallel = TensorParallel.from_topology(topology, SEED)
-        model = GPT(config, parallel, seed=SEED)
-        psi = sum(p.numel() for p in model.parameters())
-        engine = Engine(
-            model,
-            topology,
-            parallel,
-            EngineConfig(zero_stage=stage, precision=precision),
-            units=list(model.blocks),
-        )
-        x = torch.randint(0, config.vocab_size, (1, config.seq_len + 1))
-        engine.backward(engine(x[:, :-1], x[:, 1:]))
-        engine.step(1e-4)
-        return {
-            "psi": psi,
-            "dp": topology.dp,
-            "bytes": engine.model_state_bytes(),
-            "padding": sum(b.padding for b in engine.buckets),
-        }
 
     return in_process_group(work)
 
@@ -140,5 +121,21 @@ def fp16_overflow() -> list[dict[str, Any]]:
                 {"skipped": stats.skipped, "scale": stats.loss_scale, "changed": changed}
             )
         return records
+
+    return in_process_group(work)
+
+
+def meta_stage3_weights(config: GPTConfig, seed: int) -> tuple[dict[str, torch.Tensor], int]:
+    """tp=2 x dp=2: a GPT built on meta, materialised by a stage-3 Engine. Returns the
+    gathered full weights and the parameter elements this rank holds."""
+
+    def work() -> tuple[dict[str, torch.Tensor], int]:
+        topology = Topology.build(2)
+        parallel = TensorParallel.from_topology(topology, seed)
+        model = GPT(config, parallel, seed=seed, device="meta")
+        engine = Engine(model, topology, parallel, EngineConfig(zero_stage=3), list(model.blocks))
+        held = sum(p.numel() for p in model.parameters())  # freed: 0 between uses
+        held += sum(s.param_storage.numel() for s in engine.states)
+        return engine.full_state_dict(), held
 
     return in_process_group(work)

@@ -64,9 +64,16 @@ def init_from_seed(model: nn.Module, seed: int, rule: InitRule, rank: int) -> No
     """Fill every parameter with this TP rank's slice of its seeded full tensor."""
     specs = parameter_shards(model)
     for name, param in model.named_parameters():
-        spec = specs.get(name)
-        full = rule(name, full_shape(param, spec), parameter_generator(seed, name))
-        param.copy_(local_slice(full, spec, rank))
+        param.copy_(seeded_slice(name, param, specs.get(name), seed, rule, rank))
+
+
+def seeded_slice(
+    name: str, param: torch.Tensor, spec: ShardSpec | None, seed: int, rule: InitRule, rank: int
+) -> torch.Tensor:
+    """This TP rank's slice of parameter `name`'s seeded full tensor (`param` may be on
+    the meta device: only its shape is read)."""
+    full = rule(name, full_shape(param, spec), parameter_generator(seed, name))
+    return local_slice(full, spec, rank)
 
 
 def local_slice(full: torch.Tensor, spec: ShardSpec | None, rank: int) -> torch.Tensor:

@@ -2,9 +2,15 @@
 
 The flat range holds the parameters back to back and is padded to a multiple of dp, so
 every DP rank owns an equal slice [rank * n/dp, (rank + 1) * n/dp) (reduce-scatter and
-all-gather need equal shards). The optimizer state of a parameter lives with whichever
-ranks own its elements: the intersection of the parameter's range with a rank's slice is a
-*piece*, and Adam is elementwise, so stepping on pieces equals stepping on whole tensors.
+all-gather need equal shards). Adam is elementwise, so stepping on a slice of the flat
+range equals stepping on the whole tensors it cuts through (ZeRO section 5.1).
+
+Parameters are ordered by *kind* before they are laid out, so each kind is one contiguous
+range and a rank's shard is at most one segment per kind:
+- decay: weight decay applies (matrices) or not (biases, norms: dim < 2);
+- split: the parameter is sliced across TP ranks, or replicated on every TP rank (counted
+  once in the global gradient norm; its gradient summed over TP under sequence parallelism).
+Padding, zero and gradient-free, joins the last segment.
 """
 
 from __future__ import annotations
@@ -16,51 +22,90 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Elements [start, end) of `param` (flattened) that this rank owns, at `offset` in
-    this rank's shard."""
+class Kind:
+    decay: bool
+    split: bool
 
-    param: nn.Parameter
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, end) of some flat range whose parameters are all of `kind`."""
+
+    kind: Kind
     start: int
     end: int
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
 
-class Bucket:
-    def __init__(self, params: list[nn.Parameter], dp_size: int, dp_rank: int) -> None:
-        self.params = params
+class FlatBucket:
+    """Layout only: which parameter sits where in the flat range and in this rank's shard.
+    It holds no data, so it can be computed for any dp on meta parameters (planning)."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        split_names: set[str],
+        dp_size: int,
+        dp_rank: int,
+    ) -> None:
+        def kind(item: tuple[str, nn.Parameter]) -> Kind:
+            name, p = item
+            return Kind(decay=p.dim() >= 2, split=name in split_names)
+
+        ordered = sorted(named_params, key=lambda item: (not kind(item).decay, kind(item).split))
+        self.names = [name for name, _ in ordered]
+        self.params = [p for _, p in ordered]
         # Shapes are recorded now: at stage 3 the parameters themselves become empty.
-        self.shapes = [p.shape for p in params]
+        self.shapes = [p.shape for p in self.params]
         self.offsets: list[int] = []
         total = 0
-        for p in params:
+        full_segments: list[Segment] = []
+        for item in ordered:
             self.offsets.append(total)
-            total += p.numel()
+            k, n = kind(item), item[1].numel()
+            if full_segments and full_segments[-1].kind == k:
+                full_segments[-1] = Segment(k, full_segments[-1].start, total + n)
+            else:
+                full_segments.append(Segment(k, total, total + n))
+            total += n
         self.numel = -(-total // dp_size) * dp_size  # padded: equal shards
         self.padding = self.numel - total
         self.shard_numel = self.numel // dp_size
-        shard_start = dp_rank * self.shard_numel
-        self.pieces: list[Piece] = []
-        for p, offset in zip(params, self.offsets, strict=True):
-            start = max(offset, shard_start)
-            end = min(offset + p.numel(), shard_start + self.shard_numel)
-            if start < end:
-                self.pieces.append(Piece(p, start - offset, end - offset, start - shard_start))
+        self.shard_start = dp_rank * self.shard_numel
+        if full_segments and self.padding:
+            last = full_segments[-1]
+            full_segments[-1] = Segment(last.kind, last.start, self.numel)
+        self.full_segments = full_segments
+        # The same kinds, as ranges of this rank's shard.
+        shard_end = self.shard_start + self.shard_numel
+        self.segments = [
+            Segment(
+                s.kind,
+                max(s.start, self.shard_start) - self.shard_start,
+                min(s.end, shard_end) - self.shard_start,
+            )
+            for s in full_segments
+            if max(s.start, self.shard_start) < min(s.end, shard_end)
+        ]
 
-    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """One flat tensor of `numel` elements from per-parameter tensors (zero padding)."""
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-        if self.padding:
-            flat = torch.cat([flat, flat.new_zeros(self.padding)])
-        return flat
+    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index`'s view into a full flat tensor."""
+        shape, offset = self.shapes[index], self.offsets[index]
+        return flat[offset : offset + shape.numel()].view(shape)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views into a full flat tensor."""
-        return [
-            flat[offset : offset + shape.numel()].view(shape)
-            for shape, offset in zip(self.shapes, self.offsets, strict=True)
-        ]
+        return [self.view(flat, i) for i in range(len(self.params))]
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full flat tensor."""
+        return flat[self.shard_start : self.shard_start + self.shard_numel]
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """(parameter index, start, end, offset): elements [start, end) of the flattened
+        parameter sit at `offset` in this rank's shard."""
+        out = []
+        shard_end = self.shard_start + self.shard_numel
+        for i, (shape, offset) in enumerate(zip(self.shapes, self.offsets, strict=True)):
+            start, end = max(offset, self.shard_start), min(offset + shape.numel(), shard_end)
+            if start < end:
+                out.append((i, start - offset, end - offset, start - self.shard_start))
+        return out

@@ -30,9 +30,11 @@ from hybrid.tensor_parallel import (
     VocabParallelEmbedding,
     gather_from_region,
     init_from_seed,
+    parameter_shards,
     vocab_parallel_cross_entropy,
 )
 from hybrid.tensor_parallel.layers import parallel_linear_input
+from hybrid.tensor_parallel.shards import seeded_slice
 
 from .config import GPTConfig
 
@@ -125,7 +127,10 @@ class GPT(nn.Module):
         recompute: RecomputePolicy | None = None,
         seed: int = 0,
         n_real_tokens: int | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
+        """On `device="meta"` only shapes exist: nothing is allocated or initialised, and
+        the Engine materialises each rank's shard from `initial_value` (ZeRO-3 at scale)."""
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set before building the model")
@@ -134,11 +139,16 @@ class GPT(nn.Module):
         check_tp_shapes(config, tp.size, tp.sequence_parallel)
         self.config, self.tp = config, tp
         self.n_real_tokens = n_real_tokens or config.vocab_size
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model, tp)
-        self.wpe = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, tp, recompute, i) for i in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.reset_parameters(seed)
+        self.seed = seed
+        with torch.device(device or "cpu"):
+            self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model, tp)
+            self.wpe = nn.Embedding(config.seq_len, config.d_model)
+            self.blocks = nn.ModuleList(
+                Block(config, tp, recompute, i) for i in range(config.n_layer)
+            )
+            self.ln_f = nn.LayerNorm(config.d_model)
+        if torch.device(device or "cpu").type != "meta":
+            self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int) -> None:
         """GPT-2 initialisation (Radford et al. 2019, section 2.3), drawn per parameter from
@@ -148,16 +158,23 @@ class GPT(nn.Module):
         into the residual stream (attention and MLP output) are scaled by 1/sqrt(2 n_layer),
         since each layer adds two of them to the stream.
         """
+        self.seed = seed
+        init_from_seed(self, seed, self._init_rule, self.tp.rank)
+
+    def initial_value(self, name: str) -> torch.Tensor:
+        """This TP rank's slice of parameter `name` as `reset_parameters` draws it; one
+        full parameter at a time, for materialising a model built on the meta device."""
+        param = self.get_parameter(name)
+        spec = parameter_shards(self).get(name)
+        return seeded_slice(name, param, spec, self.seed, self._init_rule, self.tp.rank)
+
+    def _init_rule(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+        if name.endswith("bias") or (".ln_" in name or name.startswith("ln_")):
+            fill = 1.0 if name.endswith("weight") else 0.0
+            return torch.full(shape, fill)
         residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
-
-        def rule(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-            if name.endswith("bias") or (".ln_" in name or name.startswith("ln_")):
-                fill = 1.0 if name.endswith("weight") else 0.0
-                return torch.full(shape, fill)
-            std = residual_std if name.endswith("proj.weight") else INIT_STD
-            return torch.randn(shape, generator=generator) * std
-
-        init_from_seed(self, seed, rule, self.tp.rank)
+        std = residual_std if name.endswith("proj.weight") else INIT_STD
+        return torch.randn(shape, generator=gen) * std
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy over tokens when `targets` (b, s) is given, else the full

@@ -1,0 +1,96 @@
+"""The tensors one bucket owns on this rank, and their creation from the model.
+
+Stages 0-2: `param_flat` holds every parameter of the bucket (each parameter's `.data` is a
+view into it) and `param_shard` is this rank's slice of it. Stage 3: only `param_shard`
+exists between uses (hybrid.zero.gather). `master` is the fp32 copy the optimizer steps
+on: `param_shard` itself when the model is fp32 (no second copy), a separate fp32 tensor
+for bf16 and fp16 (mixed precision, ZeRO's K = 12 bytes per parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .bucket import FlatBucket
+
+
+@dataclass
+class BucketState:
+    param_flat: torch.Tensor | None
+    param_shard: torch.Tensor
+    master: torch.Tensor
+    grad_flat: torch.Tensor | None  # full gradients (persistent at stages 0-1)
+    filled: list[bool]  # which parameters' gradients are in grad_flat this step
+    grad_shard: torch.Tensor | None = None  # reduced gradients of this rank's shard
+    ready: int = 0  # parameters whose gradient arrived in this backward
+    master_segments: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def param_storage(self) -> torch.Tensor:
+        return self.param_flat if self.param_flat is not None else self.param_shard
+
+
+def initial_value(model: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
+    """A parameter's value: its data, or, for a parameter on the meta device, this TP
+    rank's slice of its initial value from the model (`model.initial_value(name)`)."""
+    if param.device.type != "meta":
+        return param.detach()
+    make = getattr(model, "initial_value", None)
+    if make is None:
+        raise ValueError(
+            f"parameter {name} is on the meta device but {type(model).__name__} has no "
+            "initial_value(name) to materialise it; build the model on a real device"
+        )
+    return make(name)
+
+
+@torch.no_grad()
+def materialise(
+    model: nn.Module, bucket: FlatBucket, stage: int, dtype: torch.dtype, device: torch.device
+) -> BucketState:
+    """Allocate the bucket's tensors on `device` and fill them from the parameters (or
+    their initial values): all of them at stages 0-2, only this rank's shard at stage 3,
+    so under stage 3 the full bucket never exists on one rank."""
+    if stage < 3:
+        flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
+        for i, (name, p) in enumerate(zip(bucket.names, bucket.params, strict=True)):
+            view = bucket.view(flat, i)
+            view.copy_(initial_value(model, name, p))
+            if p.device.type != "meta":  # meta ones are replaced: replace_meta_parameters
+                p.data = view
+        shard = bucket.shard(flat)
+    else:
+        flat = None
+        shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+        for i, start, end, offset in bucket.pieces():
+            value = initial_value(model, bucket.names[i], bucket.params[i]).reshape(-1)
+            shard[offset : offset + end - start] = value[start:end]
+    master = shard if dtype == torch.float32 else shard.float()
+    grads = torch.zeros(bucket.numel, dtype=dtype, device=device) if stage < 2 else None
+    return BucketState(flat, shard, master, grads, [False] * len(bucket.params))
+
+
+def replace_meta_parameters(
+    model: nn.Module, buckets: list[FlatBucket], states: list[BucketState]
+) -> None:
+    """Swap every meta parameter for a real one (a meta tensor cannot take real data):
+    a view into the bucket's flat buffer at stages 0-2, empty at stage 3 until gathered.
+    Tied parameters stay tied: one replacement per parameter object."""
+    replacement: dict[int, nn.Parameter] = {}
+    for bucket, state in zip(buckets, states, strict=True):
+        for i, p in enumerate(bucket.params):
+            if p.device.type != "meta":
+                continue
+            if state.param_flat is not None:
+                data = bucket.view(state.param_flat, i)
+            else:
+                data = state.param_shard.new_empty(0)
+            replacement[id(p)] = bucket.params[i] = nn.Parameter(data, p.requires_grad)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in replacement:
+                module._parameters[name] = replacement[id(p)]
