@@ -28,7 +28,9 @@ def run(precision: str, steps: int, stage: int, run_dir: Path) -> tuple[float, f
         f"parallel.zero_stage={stage}", f"run_dir={run_dir}", "tracking.wandb.mode=disabled",
         "sample.tokens=0",
     ]  # fmt: skip
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{precision} run failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r["loss"] for r in rows[-10:]]
     return sum(last) / len(last), rows[-1]["val_loss"]
