@@ -94,6 +94,13 @@ class Group:
         dist.reduce_scatter_single(out, tensor, group=self.process_group)
         return out.movedim(0, dim) if dim != 0 else out
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: every rank gets group rank 0's `tensor`; returns it."""
+        if self.size > 1:
+            self.counter.record("broadcast", self.name, _nbytes(tensor))
+            dist.broadcast(tensor, group=self.process_group, group_src=0)
+        return tensor
+
     # ---- asynchronous, in place: for overlapping communication with compute (ZeRO) ----
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Handle:
@@ -144,7 +151,7 @@ class VirtualGroup(Group):
     def _refuse(self, *args: object, **kwargs: object) -> Handle:
         raise RuntimeError(f"virtual group {self.name!r} (planning only) cannot communicate")
 
-    all_reduce = all_gather = reduce_scatter = _refuse  # type: ignore[assignment]
+    all_reduce = all_gather = reduce_scatter = broadcast = _refuse  # type: ignore[assignment]
     all_reduce_async = all_gather_into = reduce_scatter_into = _refuse  # type: ignore[assignment]
 
 

@@ -153,7 +153,7 @@ class Engine:
                 view = state.master[segment.start : segment.end]
                 state.master_segments.append((segment, view))
                 (decay if segment.kind.decay else no_decay).append(view)
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": self.config.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},
@@ -163,6 +163,27 @@ class Engine:
             eps=self.config.eps,
             fused=True,  # one kernel per flat segment (CPU and CUDA): ~10x the for-loop
         )
+        # Adam's moments are views into flat per-bucket tensors, like the master shard, so
+        # a checkpoint reads and writes them by the same layout (torch keeps a state it
+        # finds instead of creating one). Fused AdamW counts steps in fp32 tensors.
+        for state in self.states:
+            for segment, view in state.master_segments:
+                part = slice(segment.start, segment.end)
+                optimizer.state[view] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=self.device),
+                    "exp_avg": state.exp_avg[part],
+                    "exp_avg_sq": state.exp_avg_sq[part],
+                }
+        return optimizer
+
+    @property
+    def adam_steps(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps not counted)."""
+        return int(next(iter(self.optimizer.state.values()))["step"].item())
+
+    def set_adam_steps(self, steps: int) -> None:
+        for state in self.optimizer.state.values():
+            state["step"].fill_(steps)
 
     # ---- forward and backward -------------------------------------------------------------
 
@@ -279,7 +300,7 @@ class Engine:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._publish()
+        self.publish_masters()
         if self.config.precision == "fp16":
             self._good_steps += 1
             if self._good_steps % self.config.loss_scale_window == 0:
@@ -317,7 +338,7 @@ class Engine:
         split_part = self.tp.group.all_reduce(squares[:1].clone())
         return float((split_part[0] + squares[1]).sqrt())
 
-    def _publish(self) -> None:
+    def publish_masters(self) -> None:
         """Write the updated fp32 master into the parameters' shard (the same memory in
         fp32), then all-gather the shards at stages 1-2; stage 3 keeps only the shard."""
         for state in self.states:
@@ -398,12 +419,7 @@ class Engine:
         at 2-3), optimizer (the fp32 master where it is not the parameters themselves, and
         Adam's moments); and the peak of transient communication buffers."""
         optimizer = sum(_nbytes(s.master) for s in self.states if s.master is not s.param_shard)
-        optimizer += sum(
-            _nbytes(t)
-            for state in self.optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
+        optimizer += sum(_nbytes(s.exp_avg) + _nbytes(s.exp_avg_sq) for s in self.states)
         return {
             "parameters": sum(_nbytes(s.param_storage) for s in self.states),
             "gradients": self.grad_bytes,

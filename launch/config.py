@@ -52,6 +52,9 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval_every: int = 100
     eval_batches: int = 4  # validation set size, in global batches
+    # Stop after this step, saving a checkpoint, as a preempted job would; the learning-rate
+    # schedule still runs to `steps`, so resuming continues the same run.
+    stop_at: int | None = None
 
 
 @dataclass
@@ -88,6 +91,14 @@ class SampleConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps; 0: only at the end (and at stop_at)
+    keep: int = 3  # complete checkpoints kept; older ones are deleted
+    resume: str = "auto"  # auto: the latest in `dir` if any | none | a checkpoint folder
+    dir: str | None = None  # default: <run_dir>/checkpoints
+
+
+@dataclass
 class Config:
     model: GPTConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -95,6 +106,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str | None = None  # default: runs/<config file name>
     dist_timeout_s: float = 600.0  # collective timeout before a stuck job is torn down
 
@@ -257,10 +269,17 @@ def validate(config: Config) -> None:
         "train.weight_decay": t.weight_decay,
         "train.grad_clip": t.grad_clip,
         "sample.tokens": s.tokens,
+        "checkpoint.every": config.checkpoint.every,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be zero or positive")
+    if config.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={config.checkpoint.keep} must be at least 1")
+    if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
+        raise ConfigError(
+            f"train.stop_at={t.stop_at} must be between 1 and train.steps={t.steps} (or null)"
+        )
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise ConfigError(
             f"model.vocab_size={m.vocab_size} must be positive (or null: from tokenizer)"

@@ -33,12 +33,14 @@ from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
 from models.gpt import GPT, count_parameters, pad_vocab_size
 
+from .checkpointing import restore, resume_from
+from .checkpointing import save as save_checkpoint
 from .config import Config, ConfigError, load_config, to_dict, validate_layout
 from .data import DistributedBatches, PreparedData, TokenWindows, eval_batches, prepare_data
 from .data.token_file import resolve_files
 from .data.tokenizers import load_tokenizer_folder
 from .optim import lr_at
-from .tracking import Tracker, format_count, rotate_old_metrics
+from .tracking import Tracker, format_count, rotate_old_metrics, truncate_metrics
 from .trainer import eval_steps, evaluate, train_step
 
 
@@ -70,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         dp = check_before_start(config, world_size_from_env())
+        resume = resume_from(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     env = init_distributed(config.dist_timeout_s)
     try:
-        train(config, env, dp)
+        train(config, env, dp, resume)
     except (
         ConfigError
     ) as error:  # found after start-up (e.g. the tokenizer's size): all ranks alike
@@ -118,8 +121,11 @@ def build_model(
     )
 
 
-def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
-    """Run the whole job; returns the per-step metrics (the same on every rank)."""
+def train(
+    config: Config, env: DistributedEnv, dp: int, resume: Path | None = None
+) -> list[dict[str, Any]]:
+    """Run the job from the start or from checkpoint `resume`, to `train.steps` (or
+    `train.stop_at`); returns the per-step metrics of this run (the same on every rank)."""
     t, p = config.train, config.parallel
     run_dir = Path(config.run_dir)
     topology = Topology.build(p.tp, env.device.type)
@@ -145,6 +151,10 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
         units=list(model.blocks),
         device=env.device,
     )
+    start_step, consumed_samples = 0, 0
+    if resume is not None:
+        state = restore(resume, engine, config, topology, tp)
+        start_step, consumed_samples = state["step"], state["consumed_samples"]
     batches = DistributedBatches(
         TokenWindows(data.train_tokens, model.config.seq_len),
         t.seed,
@@ -152,6 +162,7 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
         t.micro_batch_size,
         topology.dp_rank,
         topology.dp,
+        start_sample=consumed_samples,
     )
     val_set = eval_batches(
         TokenWindows(data.val_tokens, model.config.seq_len),
@@ -163,7 +174,11 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
     tracker = None
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        rotate_old_metrics(run_dir)
+        if start_step:
+            truncate_metrics(run_dir, start_step)
+            print(f"resuming from {resume} at step {start_step}", flush=True)
+        else:
+            rotate_old_metrics(run_dir)
         resolved = to_dict(config) | {"model": dataclasses.asdict(model.config)}
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         print(
@@ -176,13 +191,19 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
             f"{len(data.train_tokens):,} train tokens | device {env.device}",
             flush=True,
         )
-        tracker = Tracker(run_dir, config.tracking.wandb, resolved, t.steps)
+        tracker = Tracker(run_dir, config.tracking.wandb, resolved, t.steps, start_step)
 
     history: list[dict[str, Any]] = []
     evaluate_after = set(eval_steps(t.steps, t.eval_every))
     tokens_per_step = t.global_batch_size * model.config.seq_len
     started = time.perf_counter()
-    for step in range(t.steps):
+    stop = t.stop_at or t.steps
+    if start_step >= stop:
+        raise ConfigError(
+            f"the checkpoint {resume} is at step {start_step}, which already reaches "
+            f"train.steps (or stop_at) = {stop}; raise train.steps or set checkpoint.resume=none"
+        )
+    for step in range(start_step, stop):
         tick = time.perf_counter()
         lr = lr_at(step, t)
         loss, grad_norm, skipped = train_step(engine, batches.next_step(), lr, env.device)
@@ -202,7 +223,15 @@ def train(config: Config, env: DistributedEnv, dp: int) -> list[dict[str, Any]]:
         history.append(metrics)
         if tracker is not None:
             tracker.log(metrics)
+        every = config.checkpoint.every
+        if (every and (step + 1) % every == 0) or step + 1 == stop:
+            save_checkpoint(engine, config, step + 1, batches.consumed_samples, topology, tp)
     total_time = time.perf_counter() - started
+    if stop < t.steps:
+        if tracker is not None:
+            tracker.finish()
+            print(f"stopped after step {stop} (train.stop_at); run again to resume", flush=True)
+        return history
 
     sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
     weights = engine.full_state_dict()  # every rank: gathers across TP and DP

@@ -111,6 +111,15 @@ def rotate_old_metrics(run_dir: Path) -> None:
         path.rename(run_dir / f"metrics-{stamp}.jsonl")
 
 
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """On resume: keep the metrics of steps up to the checkpoint's; later ones are redone."""
+    path = run_dir / METRICS_FILE
+    if path.exists():
+        lines = path.read_text().splitlines()
+        kept = [line for line in lines if line and json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
 def plot_losses(metrics_path: Path, out_path: Path) -> None:
     """Train and validation loss against step, for those who do not open W&B."""
     try:

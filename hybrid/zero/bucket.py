@@ -15,6 +15,7 @@ Padding, zero and gradient-free, joins the last segment.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -54,14 +55,24 @@ class FlatBucket:
         ordered = sorted(named_params, key=lambda item: (not kind(item).decay, kind(item).split))
         self.names = [name for name, _ in ordered]
         self.params = [p for _, p in ordered]
-        # Shapes are recorded now: at stage 3 the parameters themselves become empty.
+        # Shapes and kinds are recorded now: at stage 3 the parameters become empty.
         self.shapes = [p.shape for p in self.params]
+        self.kinds = [kind(item) for item in ordered]
+        self._lay_out(dp_size, dp_rank)
+
+    def relayout(self, dp_size: int, dp_rank: int) -> FlatBucket:
+        """The same parameters in the same order, sharded for another dp (checkpoints)."""
+        other = copy.copy(self)
+        other._lay_out(dp_size, dp_rank)
+        return other
+
+    def _lay_out(self, dp_size: int, dp_rank: int) -> None:
         self.offsets: list[int] = []
         total = 0
         full_segments: list[Segment] = []
-        for item in ordered:
+        for k, shape in zip(self.kinds, self.shapes, strict=True):
             self.offsets.append(total)
-            k, n = kind(item), item[1].numel()
+            n = shape.numel()
             if full_segments and full_segments[-1].kind == k:
                 full_segments[-1] = Segment(k, full_segments[-1].start, total + n)
             else:

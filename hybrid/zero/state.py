@@ -26,6 +26,8 @@ class BucketState:
     grad_flat: torch.Tensor | None  # full gradients (persistent at stages 0-1)
     filled: list[bool]  # which parameters' gradients are in grad_flat this step
     grad_shard: torch.Tensor | None = None  # reduced gradients of this rank's shard
+    exp_avg: torch.Tensor | None = None  # Adam's moments over the master shard (fp32)
+    exp_avg_sq: torch.Tensor | None = None
     ready: int = 0  # parameters whose gradient arrived in this backward
     master_segments: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
@@ -71,7 +73,9 @@ def materialise(
             shard[offset : offset + end - start] = value[start:end]
     master = shard if dtype == torch.float32 else shard.float()
     grads = torch.zeros(bucket.numel, dtype=dtype, device=device) if stage < 2 else None
-    return BucketState(flat, shard, master, grads, [False] * len(bucket.params))
+    state = BucketState(flat, shard, master, grads, [False] * len(bucket.params))
+    state.exp_avg, state.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    return state
 
 
 def replace_meta_parameters(

@@ -1,0 +1,229 @@
+"""Sharded checkpoints that load under any layout, on torch.distributed.checkpoint (DCP).
+
+What is stored does not depend on tp, dp or the ZeRO stage: for every parameter `name`,
+three tensors in the parameter's tp=1 shape, `model.<name>` (the fp32 master value),
+`exp_avg.<name>` and `exp_avg_sq.<name>` (Adam's moments). Each rank writes only the
+elements it owns, as chunks of those tensors (a DCP ShardedTensor):
+- its DP shard of each bucket (at stage 0, where every DP rank holds everything, the
+  shard a dp-way split would give it), so DP ranks write disjoint elements;
+- TP-split parameters at this TP rank's offset along the split dimension, without the
+  padding a split adds; replicated parameters (LayerNorms, some biases) from TP rank 0.
+A flat range of a row-major matrix is at most three rectangles: the tail of one row, whole
+rows, the head of a row; those are the chunks. Loading builds the same chunks for the
+loading layout as views into the engine's flat tensors, and DCP copies the overlapping
+saved pieces into them (resharding); replicated parameters are then broadcast over TP,
+stage 0 gathers the full buckets over DP, and the parameters are published from the
+masters.
+
+The step, data position, loss scale and config go in `trainer_state.json`; random states
+per rank in `rng/rank<N>.pt`; loading reads no pickle that could run code (`.metadata`
+through an allow-list unpickler, tensors through `torch.load(weights_only=True)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+
+from .checkpoint_files import SafeReader, begin, check_checkpoint, commit, load_rng, save_rng
+from .engine import Engine
+from .tensor_parallel import ShardSpec, parameter_shards
+from .tensor_parallel.shards import full_shape
+
+TENSORS = ("model", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements [flat_start, flat_start + prod(sizes)) of a flat tensor, which are the
+    rectangle at `offsets` of size `sizes` in a parameter's tp=1 shape."""
+
+    name: str
+    flat_start: int
+    local_sizes: tuple[int, ...]  # before clipping the TP padding
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def rectangles(shape: torch.Size, start: int, end: int) -> Iterator[tuple[int, tuple, tuple]]:
+    """(flat offset from `start`, offsets, sizes) of the rectangles covering elements
+    [start, end) of a row-major tensor of `shape` (1-D or 2-D)."""
+    if len(shape) == 1:
+        yield 0, (start,), (end - start,)
+        return
+    if len(shape) != 2:
+        raise ValueError(f"checkpoint chunks support 1-D and 2-D parameters, not {tuple(shape)}")
+    cols = shape[1]
+    pos = start
+    while pos < end:
+        row, col = divmod(pos, cols)
+        if col or end - pos < cols:  # part of one row
+            n = min(cols - col, end - pos)
+            yield pos - start, (row, col), (1, n)
+        else:  # whole rows
+            rows = (end - pos) // cols
+            n = rows * cols
+            yield pos - start, (row, 0), (rows, cols)
+        pos += n
+
+
+def owned_chunks(engine: Engine) -> list[list[Chunk]]:
+    """Per bucket, the chunks this rank reads and writes (see the module docstring)."""
+    specs = parameter_shards(engine.module)
+    tp_rank, dp = engine.tp.rank, engine.dp
+    out = []
+    for bucket in engine.buckets:
+        own = bucket if engine.stage >= 1 else bucket.relayout(dp.size, dp.rank)
+        base = 0 if engine.stage >= 1 else own.shard_start  # into the flat tensors held
+        chunks = []
+        for i, start, end, offset in own.pieces():
+            name, shape = bucket.names[i], bucket.shapes[i]
+            spec = specs.get(name)
+            if spec is None and tp_rank != 0:
+                continue  # replicated: TP rank 0 writes it, the others receive it
+            for skip, offsets, sizes in rectangles(shape, start, end):
+                clipped = _clip(offsets, sizes, shape, spec, tp_rank)
+                if clipped is not None:
+                    chunks.append(Chunk(name, base + offset + skip, sizes, *clipped))
+        out.append(chunks)
+    return out
+
+
+def _clip(
+    offsets: tuple, sizes: tuple, local: torch.Size, spec: ShardSpec | None, tp_rank: int
+) -> tuple[tuple, tuple] | None:
+    """Local rectangle -> tp=1 rectangle, without the split's padding (None if all pad)."""
+    if spec is None:
+        return offsets, sizes
+    shift = tp_rank * local[spec.dim]
+    lo = offsets[spec.dim] + shift
+    hi = min(lo + sizes[spec.dim], spec.logical_size)
+    if hi <= lo:
+        return None
+    offsets = tuple(o + shift if d == spec.dim else o for d, o in enumerate(offsets))
+    sizes = tuple(hi - lo if d == spec.dim else s for d, s in enumerate(sizes))
+    return offsets, sizes
+
+
+def _state_dict(engine: Engine) -> dict[str, ShardedTensor]:
+    """The ShardedTensors over this rank's chunks, as views of the engine's fp32 tensors
+    (so a load writes straight into them). Every rank builds every key, in one order."""
+    specs = parameter_shards(engine.module)
+    shapes = {}
+    for bucket in engine.buckets:
+        for name, shape in zip(bucket.names, bucket.shapes, strict=True):
+            shapes[name] = full_shape(torch.empty(shape, device="meta"), specs.get(name))
+    local: dict[str, list[Shard]] = {f"{t}.{n}": [] for n in shapes for t in TENSORS}
+    rank, device = dist.get_rank(), engine.device
+    for state, chunks in zip(engine.states, owned_chunks(engine), strict=True):
+        flats = {"model": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+        for chunk in chunks:
+            n = torch.Size(chunk.local_sizes).numel()
+            for kind, flat in flats.items():
+                view = flat[chunk.flat_start : chunk.flat_start + n].view(chunk.local_sizes)
+                for dim, size in enumerate(chunk.sizes):
+                    view = view.narrow(dim, 0, size)
+                placement = f"rank:{rank}/{device}"
+                meta = ShardMetadata(list(chunk.offsets), list(chunk.sizes), placement)
+                local[f"{kind}.{chunk.name}"].append(Shard(view, meta))
+    return {
+        key: init_from_local_shards(shards, list(shapes[key.split(".", 1)[1]]))
+        for key, shards in sorted(local.items())
+    }
+
+
+def save_checkpoint(
+    engine: Engine,
+    root: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    rng: dict[str, torch.Tensor],
+    keep: int,
+) -> Path:
+    """Write `<root>/step_<step>` crash-safely (hybrid.checkpoint_files); all ranks call."""
+    _ensure_process_group()
+    tmp = begin(root, step)
+    save_engine(engine, tmp)
+    save_rng(tmp, rng)
+    return commit(root, tmp, step, trainer_state, keep)
+
+
+def load_checkpoint(
+    engine: Engine, path: Path
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """Fill `engine` from the checkpoint at `path` (any layout); returns its trainer state
+    and this rank's saved random states (None if the checkpoint has none for this rank)."""
+    state = check_checkpoint(path)
+    _ensure_process_group()
+    load_engine(engine, path)
+    return state, load_rng(path)
+
+
+def _ensure_process_group() -> None:
+    """DCP's sharded tensors need a process group; a single process gets a group of one."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def save_engine(engine: Engine, directory: Path) -> None:
+    """Write this rank's part of the model and optimizer state (every rank calls it)."""
+    dcp.save(_state_dict(engine), storage_writer=dcp.FileSystemWriter(str(directory)))
+
+
+def load_engine(engine: Engine, directory: Path) -> None:
+    """Fill the engine from a checkpoint saved at any layout (every rank calls it)."""
+    dcp.load(_state_dict(engine), storage_reader=SafeReader(str(directory)))
+    _after_load(engine)
+
+
+@torch.no_grad()
+def _after_load(engine: Engine) -> None:
+    """Give every rank what it holds but did not read: replicated parameters from TP rank
+    0; at stage 0 the other DP ranks' parts of each bucket; then the parameters."""
+    for bucket, state in zip(engine.buckets, engine.states, strict=True):
+        flats = [state.master, state.exp_avg, state.exp_avg_sq]
+        if engine.stage == 0 and engine.dp.size > 1:
+            own = bucket.relayout(engine.dp.size, engine.dp.rank)
+            for flat in flats:
+                padded = flat.new_zeros(own.numel)
+                padded[: bucket.numel] = flat
+                full = flat.new_empty(own.numel)
+                engine.dp.all_gather_into(full, own.shard(padded).clone()).wait()
+                flat.copy_(full[: bucket.numel])
+        segments = bucket.segments if engine.stage >= 1 else bucket.full_segments
+        for segment in segments:
+            if not segment.kind.split:
+                for flat in flats:
+                    engine.tp.group.broadcast(flat[segment.start : segment.end])
+    engine.publish_masters()
+
+
+@torch.no_grad()
+def gather_full_states(engine: Engine) -> dict[str, torch.Tensor]:
+    """`<kind>.<name>` -> the tp=1 tensor of the master weights and Adam moments, gathered
+    over DP and TP (every rank calls; for tests and small models: it is all of them)."""
+    specs = parameter_shards(engine.module)
+    out: dict[str, torch.Tensor] = {}
+    for bucket, state in zip(engine.buckets, engine.states, strict=True):
+        flats = {"model": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+        for kind, flat in flats.items():
+            if engine.stage >= 1 and engine.dp.size > 1:
+                full = flat.new_empty(bucket.numel)
+                engine.dp.all_gather_into(full, flat.contiguous()).wait()
+                flat = full
+            for name, view in zip(bucket.names, bucket.views(flat), strict=True):
+                spec = specs.get(name)
+                if spec is None:
+                    out[f"{kind}.{name}"] = view.clone()
+                else:
+                    whole = engine.tp.group.all_gather(view.contiguous(), dim=spec.dim)
+                    out[f"{kind}.{name}"] = whole.narrow(spec.dim, 0, spec.logical_size).clone()
+    return dict(sorted(out.items()))

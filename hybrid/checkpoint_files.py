@@ -1,0 +1,162 @@
+"""Checkpoint folders: crash-safe writes, the `latest` pointer, pruning, safe reading.
+
+    <root>/step_00000010/   .metadata, __<rank>_0.distcp (DCP), trainer_state.json, rng/
+    <root>/latest           the name of the newest complete checkpoint
+
+A checkpoint is written into `.tmp-step_<N>` and renamed to `step_<N>` only when every
+rank has finished, then `latest` is replaced (atomically) and the oldest complete
+checkpoints beyond `keep` are removed. A crash at any point leaves the previous complete
+checkpoint and its pointer intact; resume ignores `.tmp-*` folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+STATE_FILE = "trainer_state.json"
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A folder that is not a complete checkpoint, or one that does not fit this run."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP stores its index with pickle; only the index's own plain classes may load, so a
+    crafted `.metadata` cannot run code."""
+
+    ALLOWED = frozenset(
+        {
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"checkpoint index refers to {module}.{name}: refused (not data)")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the index read through `_MetadataUnpickler` (tensors are
+    already read with `torch.load(weights_only=True)`)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with path.open("rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except CheckpointError:
+            raise
+        except Exception as error:
+            raise CheckpointError(f"{path} is not a readable checkpoint index: {error}") from error
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} does not hold a checkpoint index")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / STATE_FILE).is_file()
+
+
+def find_latest(root: Path) -> Path | None:
+    """The checkpoint `latest` names if complete, else the newest complete one."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if is_complete(named):
+            return named
+    complete = [p for p in root.glob("step_*") if p.is_dir() and is_complete(p)]
+    return max(complete, key=lambda p: p.name) if complete else None
+
+
+def check_checkpoint(path: Path) -> dict[str, Any]:
+    """The trainer state of a complete checkpoint, or a CheckpointError naming the fix."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not is_complete(path):
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no .metadata or {STATE_FILE}); pass a "
+            "folder written by hybrid, such as <run_dir>/checkpoints/step_00000100"
+        )
+    try:
+        return json.loads((path / STATE_FILE).read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{path / STATE_FILE} is corrupt: {error}") from error
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def begin(root: Path, step: int) -> Path:
+    """The temporary folder this step's checkpoint is written into (all ranks call)."""
+    tmp = root / f".tmp-{step_name(step)}"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    return tmp
+
+
+def save_rng(tmp: Path, rng: dict[str, torch.Tensor]) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(rng, tmp / "rng" / f"rank{rank}.pt")
+
+
+def load_rng(path: Path) -> dict[str, torch.Tensor] | None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    file = path / "rng" / f"rank{rank}.pt"
+    return torch.load(file, weights_only=True) if file.is_file() else None
+
+
+def commit(root: Path, tmp: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """After every rank wrote into `tmp`: rank 0 adds the trainer state, renames the
+    folder, moves `latest` and prunes (all ranks call)."""
+    barrier()
+    final = root / step_name(step)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _write_durably(tmp / STATE_FILE, json.dumps(state, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_durably(root / f"{LATEST}.tmp", final.name)
+        os.replace(root / f"{LATEST}.tmp", root / LATEST)
+        complete = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+        for old in complete[: max(0, len(complete) - keep)]:
+            shutil.rmtree(old)
+    barrier()
+    return final
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

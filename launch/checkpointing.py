@@ -1,0 +1,92 @@
+"""Checkpoints in a training run: where they go, resuming, saving.
+
+Saved with a checkpoint (hybrid.checkpoint): model and optimizer shards, the step, the
+global sample index of the data, the fp16 loss scale, the resolved config and each rank's
+random states. Resuming at another layout is allowed (the shards reshard on load and the
+sample index is global); the random states are restored only at the same layout, where
+per-rank streams mean the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybrid.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.checkpoint_files import CheckpointError, check_checkpoint, find_latest
+from hybrid.engine import Engine
+from hybrid.tensor_parallel import TensorParallel
+from hybrid.topology import Topology
+
+from .config import Config, ConfigError, to_dict
+
+
+def checkpoint_root(config: Config) -> Path:
+    return Path(config.checkpoint.dir or Path(config.run_dir) / "checkpoints")
+
+
+def resume_from(config: Config) -> Path | None:
+    """The checkpoint to resume from, checked before any process group exists."""
+    resume = config.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        root = checkpoint_root(config)
+        return find_latest(root) if root.is_dir() else None
+    try:
+        check_checkpoint(Path(resume))
+    except CheckpointError as error:
+        raise ConfigError(f"checkpoint.resume: {error}") from None
+    return Path(resume)
+
+
+def restore(
+    path: Path, engine: Engine, config: Config, topology: Topology, tp: TensorParallel
+) -> dict[str, Any]:
+    """Load `path` into the engine; returns its trainer state (step, consumed_samples)."""
+    saved = check_checkpoint(path)
+    ours, theirs = dataclasses.asdict(engine.module.config), saved["config"]["model"]
+    different = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+    if different:
+        shown = ", ".join(f"model.{k}: {a} there, {b} here" for k, (a, b) in different.items())
+        raise ConfigError(f"checkpoint {path} holds another model ({shown})")
+    state, rng = load_checkpoint(engine, path)
+    engine.set_adam_steps(state["adam_steps"])
+    engine.loss_scale = state["loss_scale"]
+    if rng is not None and state["layout"] == _layout(topology):
+        torch.set_rng_state(rng["default"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], engine.device)
+        tp.rng.state = rng["tp"]
+    return state
+
+
+def save(
+    engine: Engine,
+    config: Config,
+    step: int,
+    consumed_samples: int,
+    topology: Topology,
+    tp: TensorParallel,
+) -> Path:
+    state = {
+        "step": step,
+        "consumed_samples": consumed_samples,
+        "adam_steps": engine.adam_steps,
+        "loss_scale": engine.loss_scale,
+        "layout": _layout(topology),
+        "config": to_dict(config) | {"model": dataclasses.asdict(engine.module.config)},
+    }
+    rng = {"default": torch.get_rng_state(), "tp": tp.rng.state}
+    if engine.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(engine.device)
+    return save_checkpoint(
+        engine, checkpoint_root(config), step, state, rng, config.checkpoint.keep
+    )
+
+
+def _layout(topology: Topology) -> dict[str, int]:
+    return {"world_size": topology.world_size, "tp": topology.tp}

@@ -1,0 +1,107 @@
+"""Checkpoints: saved at one layout, loaded at another with identical states; training
+continues as if never stopped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_cases import run
+from small_run import TINY_CONFIG, small_run_overrides
+
+from hybrid.distributed import init_distributed, shutdown, world_size_from_env
+from hybrid.testing import run_processes
+from launch.checkpointing import resume_from
+from launch.config import load_config, validate_layout
+from launch.pretrain import train
+
+
+def test_reshard_tp2_dp2_stage3_to_other_layouts(tmp_path: Path) -> None:
+    reference = run_processes(run, 1, 1, 0, range(12))[0]["losses"]
+    saved = run_processes(run, 4, 2, 3, range(10), None, tmp_path, True)[0]
+    assert saved["losses"] == pytest.approx(reference[:10], rel=1e-5)
+    checkpoint = tmp_path / "step_00000010"
+    for world, tp, stage in [(4, 1, 1), (4, 4, 0), (1, 1, 0), (2, 1, 2)]:
+        loaded = run_processes(run, world, tp, stage, range(10, 12), checkpoint)[0]
+        assert loaded["loaded"].keys() == saved["saved"].keys()
+        for key, tensor in saved["saved"].items():
+            assert torch.equal(loaded["loaded"][key], tensor), (world, tp, stage, key)
+        assert loaded["losses"] == pytest.approx(reference[10:12], rel=1e-5), (world, tp, stage)
+
+
+def _stop_and_resume(corpus: Path, cache: Path, root: Path, extra: list[str]) -> dict:
+    """In one process group: 20 steps straight, and 10 steps + a resumed run to 20."""
+    env = init_distributed()
+    try:
+        losses = {}
+        for name, more in [("straight", []), ("resumed", ["train.stop_at=10"]), ("resumed", [])]:
+            overrides = small_run_overrides(corpus, cache, root / name) + extra + more
+            overrides += ["train.steps=20", "train.eval_every=20", "sample.tokens=0"]
+            config = load_config(TINY_CONFIG, overrides)
+            dp = validate_layout(config, world_size_from_env())
+            train(config, env, dp, resume_from(config))
+            metrics = Path(config.run_dir) / "metrics.jsonl"
+            losses[name] = [json.loads(line)["loss"] for line in metrics.open()]
+        return losses
+    finally:
+        shutdown(env)
+
+
+@pytest.mark.parametrize(
+    ("world", "extra"),
+    [
+        (4, ["parallel.tp=2", "parallel.zero_stage=3", "parallel.sequence_parallel=true"]),
+        (2, ["parallel.zero_stage=1"]),
+    ],
+    ids=["tp2-dp2-zero3", "dp2-zero1"],
+)
+def test_stopped_and_resumed_run_has_the_same_losses(
+    world: int, extra: list[str], small_corpus: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    losses = run_processes(_stop_and_resume, world, small_corpus, cache_dir, tmp_path, extra)[0]
+    assert len(losses["straight"]) == len(losses["resumed"]) == 20
+    assert losses["resumed"] == losses["straight"]  # exactly: fp32 on CPU is deterministic
+    checkpoints = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
+    assert checkpoints == ["latest", "step_00000010", "step_00000020"]
+
+
+def test_resume_from_a_folder_that_is_not_a_checkpoint_is_one_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launch import pretrain
+
+    code = pretrain.main(["--config", str(TINY_CONFIG), f"checkpoint.resume={tmp_path}"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a complete checkpoint" in err and str(tmp_path) in err
+    assert len(err.splitlines()) == 1
+
+
+class _Payload:
+    """Unpickling this would run a shell command that creates a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_checkpoint_index_is_refused_without_running_it(tmp_path: Path) -> None:
+    import pickle
+
+    from hybrid.checkpoint_files import CheckpointError, SafeReader
+
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"posix\.system|os\.system"):
+        SafeReader(str(folder)).read_metadata()
+    assert not marker.exists()
+    pickle.loads((folder / ".metadata").read_bytes())  # the payload is real: it does run
+    assert marker.exists()
