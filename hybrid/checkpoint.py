@@ -22,6 +22,7 @@ through an allow-list unpickler, tensors through `torch.load(weights_only=True)`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,11 +150,11 @@ def save_checkpoint(
     keep: int,
 ) -> Path:
     """Write `<root>/step_<step>` crash-safely (hybrid.checkpoint_files); all ranks call."""
-    _ensure_process_group()
-    tmp = begin(root, step)
-    save_engine(engine, tmp)
-    save_rng(tmp, rng)
-    return commit(root, tmp, step, trainer_state, keep)
+    with _process_group():
+        tmp = begin(root, step)
+        save_engine(engine, tmp)
+        save_rng(tmp, rng)
+        return commit(root, tmp, step, trainer_state, keep)
 
 
 def load_checkpoint(
@@ -162,15 +163,23 @@ def load_checkpoint(
     """Fill `engine` from the checkpoint at `path` (any layout); returns its trainer state
     and this rank's saved random states (None if the checkpoint has none for this rank)."""
     state = check_checkpoint(path)
-    _ensure_process_group()
-    load_engine(engine, path)
-    return state, load_rng(path)
+    with _process_group():
+        load_engine(engine, path)
+        return state, load_rng(path)
 
 
-def _ensure_process_group() -> None:
-    """DCP's sharded tensors need a process group; a single process gets a group of one."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """DCP's sharded tensors need a process group; a single process gets a group of one
+    for the duration."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def save_engine(engine: Engine, directory: Path) -> None:

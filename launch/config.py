@@ -21,6 +21,7 @@ import yaml
 
 from hybrid.topology import check_layout
 from models.gpt import GPTConfig
+from models.gpt.model import check_tp_shapes
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -315,6 +316,11 @@ def validate(config: Config) -> None:
             f"train.global_batch_size={t.global_batch_size} is not a multiple of "
             f"train.micro_batch_size={t.micro_batch_size}"
         )
+    try:  # the model's own rules (norms, grouped-query heads, MLP width, rotary) at this tp
+        m.check()
+        check_tp_shapes(m, p.tp, p.sequence_parallel)
+    except ValueError as error:
+        raise ConfigError(f"model.{error} (parallel.tp={p.tp})") from None
 
 
 def validate_layout(config: Config, world_size: int) -> int:

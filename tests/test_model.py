@@ -15,9 +15,19 @@ CONFIGS = [
     GPTConfig(n_layer=2, n_head=4, d_model=64, seq_len=32, vocab_size=384),
     GPTConfig(n_layer=3, n_head=6, d_model=48, seq_len=17, vocab_size=1000),
 ]
+LLAMA = GPTConfig(
+    n_layer=3, n_head=6, d_model=48, seq_len=17, vocab_size=1001, norm="rmsnorm", mlp="swiglu",
+    d_ff=40, positions="rope", n_kv_head=2, tie_embeddings=False, bias=False,
+)  # fmt: skip
+OPTIONS = [
+    LLAMA,
+    GPTConfig(**{**LLAMA.__dict__, "d_ff": None, "n_kv_head": None, "tie_embeddings": True}),
+    GPTConfig(**{**CONFIGS[2].__dict__, "bias": False, "tie_embeddings": False, "d_ff": 100}),
+    GPTConfig(**{**CONFIGS[2].__dict__, "norm": "rmsnorm", "positions": "rope", "n_kv_head": 3}),
+]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS + OPTIONS)
 def test_parameter_count_matches_formula(config: GPTConfig) -> None:
     model = GPT(config)
     assert sum(p.numel() for p in model.parameters()) == count_parameters(config)
@@ -68,9 +78,48 @@ def test_embeddings_tied_and_gpt2_init() -> None:
     assert torch.all(block.attn.qkv.bias == 0) and torch.all(block.ln_1.weight == 1)
 
 
+def test_llama_options_build_the_llama_layers() -> None:
+    model = GPT(LLAMA)
+    names = dict(model.named_parameters())
+    assert "wpe.weight" not in names and "lm_head.weight" in names
+    assert not any(name.endswith("bias") for name in names)
+    block = model.blocks[0]
+    assert type(block.ln_1).__name__ == "RMSNorm" and torch.all(block.ln_1.weight == 1)
+    assert block.attn.qkv.weight.shape == ((6 + 2 * 2) * 8, 48)  # 6 q heads, 2 k, 2 v
+    assert block.mlp.fc.weight.shape == (2 * 40, 48)  # gate and up, interleaved
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    idx = torch.randint(0, 1001, (2, 17))
+    assert model(idx).shape == (2, 17, 1001)
+    loss = model(idx, idx)
+    assert abs(loss.item() - math.log(1001)) < 0.5
+    loss.backward()
+    assert model.wte.weight.grad is not None and model.lm_head.weight.grad is not None
+
+
+def test_rotary_positions_are_relative() -> None:
+    """RoPE (Su et al. 2021): the score of q at position m and k at n depends on m - n."""
+    from models.gpt.attention import apply_rotary, rotary_cos_sin
+
+    q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8)
+    cos, sin = rotary_cos_sin(12, 8, 10000.0, torch.device("cpu"))
+    scores = apply_rotary(q, cos, sin) @ apply_rotary(k, cos, sin).transpose(-2, -1)
+    torch.testing.assert_close(scores[0, 0, 5, 2], scores[0, 0, 9, 6])
+    assert not torch.allclose(scores[0, 0, 5, 2], scores[0, 0, 5, 3])
+
+
+def test_bad_options_are_named() -> None:
+    with pytest.raises(ValueError, match="norm='batchnorm' is not allowed; choose one of"):
+        GPT(GPTConfig(n_layer=1, n_head=2, d_model=8, vocab_size=16, norm="batchnorm"))
+    with pytest.raises(ValueError, match="n_kv_head=0 must be positive"):
+        GPT(GPTConfig(n_layer=1, n_head=2, d_model=8, vocab_size=16, n_kv_head=0))
+
+
 @pytest.mark.parametrize("mode", [Recompute.SELECTIVE, Recompute.FULL])
-def test_recompute_gives_identical_gradients_with_dropout(mode: Recompute) -> None:
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
+def test_recompute_gives_identical_gradients_with_dropout(mode: Recompute, llama: bool) -> None:
     config = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=128, dropout=0.2)
+    if llama:
+        config = GPTConfig(**{**LLAMA.__dict__, "seq_len": 16, "vocab_size": 128, "dropout": 0.2})
     idx = torch.randint(0, 128, (4, 16))
     grads = []
     for recompute in (Recompute.NONE, mode):

@@ -20,6 +20,12 @@ from models.gpt.model import check_tp_shapes
 # Vocabulary 1001 does not divide by 2 or 4 (padding applies); 6 heads give 3 per rank at tp=2.
 CONFIG_TP2 = GPTConfig(n_layer=2, n_head=6, d_model=48, seq_len=8, vocab_size=1001)
 CONFIG_TP4 = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=8, vocab_size=1001)
+# Llama options: RMSNorm, SwiGLU, rotary positions, 6 query heads on 2 kv heads (one per
+# rank at tp=2), an untied output layer, no biases.
+LLAMA_TP2 = GPTConfig(
+    n_layer=2, n_head=6, d_model=48, seq_len=8, vocab_size=1001, norm="rmsnorm", mlp="swiglu",
+    d_ff=40, positions="rope", n_kv_head=2, tie_embeddings=False, bias=False,
+)  # fmt: skip
 
 
 def assert_relative(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
@@ -36,7 +42,9 @@ def assert_same_model(result: dict, ref: dict, rel: float = 1e-5) -> None:
         assert_relative(result["grads"][name], grad, rel, f"grad of {name}")
 
 
-@pytest.mark.parametrize(("tp", "config"), [(2, CONFIG_TP2), (4, CONFIG_TP4)])
+@pytest.mark.parametrize(
+    ("tp", "config"), [(2, CONFIG_TP2), (4, CONFIG_TP4), (2, LLAMA_TP2)], ids=["2", "4", "2-llama"]
+)
 def test_logits_and_gradients_match_single_process(tp: int, config: GPTConfig) -> None:
     ref = tp_cases.reference(config)
     ranks = run_processes(tp_cases.equivalence, tp, tp, config)
@@ -62,54 +70,63 @@ def test_padding_is_masked_in_the_loss() -> None:
     assert unmasked(x, y).item() > exact(x, y).item() + 1e-3  # the mask matters
 
 
+RECOMPUTE_GPT2 = GPTConfig(n_layer=3, n_head=4, d_model=32, seq_len=8, vocab_size=256, dropout=0.2)
+RECOMPUTE_LLAMA = GPTConfig(**{**LLAMA_TP2.__dict__, "n_layer": 3, "dropout": 0.2})
+
+
 def test_recompute_with_dropout_gives_identical_gradients() -> None:
-    config = GPTConfig(n_layer=3, n_head=4, d_model=32, seq_len=8, vocab_size=256, dropout=0.2)
-    for sequence_parallel in (False, True):
-        results = run_processes(tp_cases.recompute_grads, 2, 2, config, sequence_parallel)[0]
+    cases = [(RECOMPUTE_GPT2, False), (RECOMPUTE_GPT2, True), (RECOMPUTE_LLAMA, True)]
+    all_results = run_processes(tp_cases.recompute_grads, 2, 2, cases)[0]
+    for (config, sp), results in zip(cases, all_results, strict=True):
         base = results["none"]
         for name in ("selective", "full", "full-every-2"):
-            assert results[name]["loss"] == pytest.approx(base["loss"], rel=1e-6)
+            what = f"{name}, {'llama' if config.mlp == 'swiglu' else 'gpt2'}, sp={sp}"
+            assert results[name]["loss"] == pytest.approx(base["loss"], rel=1e-6), what
             for param, grad in base["grads"].items():
                 torch.testing.assert_close(
                     results[name]["grads"][param],
                     grad,
                     rtol=1e-6,
                     atol=1e-7,
-                    msg=f"{name}: {param}",
+                    msg=f"{what}: {param}",
                 )
         # Dropout is on: the gradients differ from the dropout-free model.
         no_dropout = tp_cases.reference(GPTConfig(**{**config.__dict__, "dropout": 0.0}))
         key = "blocks.0.attn.qkv.weight"
-        change = (base["grads"][key] - no_dropout["grads"][key]).norm() / no_dropout["grads"][
-            key
-        ].norm()
-        assert change > 0.05
+        reference = no_dropout["grads"][key]
+        assert (base["grads"][key] - reference).norm() / reference.norm() > 0.05
 
 
-def _per_layer(tp: int, sequence_parallel: bool) -> dict[str, dict[str, int]]:
-    """TP collectives of a 2-layer model minus those of a 1-layer model, by phase and kind."""
-
-    def counts(layers: int) -> dict:
-        config = GPTConfig(n_layer=layers, n_head=4, d_model=32, seq_len=8, vocab_size=256)
-        return run_processes(tp_cases.collective_counts, tp, tp, config, sequence_parallel)[0]
-
-    one, two = counts(1), counts(2)
-    per_layer: dict[str, dict[str, int]] = {}
-    for phase in ("forward", "backward"):
-        kinds = {kind for kind, group in {*one[phase], *two[phase]} if group == "tp"}
-        per_layer[phase] = {
-            kind: two[phase].get((kind, "tp"), 0) - one[phase].get((kind, "tp"), 0)
-            for kind in kinds
-        }
-        per_layer[phase] = {kind: n for kind, n in per_layer[phase].items() if n}
-    return per_layer
+def _per_layer(tp: int, sequence_parallel: bool) -> dict[str, dict[str, dict[str, int]]]:
+    """TP collectives of a 2-layer model minus those of a 1-layer model, by phase and kind,
+    for GPT-2 and for the Llama options (SwiGLU's gate and up are one column-parallel GEMM,
+    GQA's q, k, v one: the same collectives)."""
+    gpt2 = GPTConfig(n_head=4, d_model=32, seq_len=8, vocab_size=256)
+    configs = [
+        GPTConfig(**{**base.__dict__, "n_layer": layers})
+        for base in (gpt2, LLAMA_TP2)
+        for layers in (1, 2)
+    ]
+    counts = run_processes(tp_cases.collective_counts, tp, tp, configs, sequence_parallel)[0]
+    result = {}
+    for name, (one, two) in (("gpt2", counts[:2]), ("llama", counts[2:])):
+        per_layer: dict[str, dict[str, int]] = {}
+        for phase in ("forward", "backward"):
+            kinds = {kind for kind, group in {*one[phase], *two[phase]} if group == "tp"}
+            per_layer[phase] = {
+                kind: two[phase].get((kind, "tp"), 0) - one[phase].get((kind, "tp"), 0)
+                for kind in kinds
+            }
+            per_layer[phase] = {kind: n for kind, n in per_layer[phase].items() if n}
+        result[name] = per_layer
+    return result
 
 
 def test_collectives_per_layer_megatron() -> None:
     """Megatron's f and g: two all-reduces forward, two backward, per transformer layer."""
-    layer = _per_layer(2, sequence_parallel=False)
-    assert layer["forward"] == {"all_reduce": 2}
-    assert layer["backward"] == {"all_reduce": 2}
+    for layer in _per_layer(2, sequence_parallel=False).values():
+        assert layer["forward"] == {"all_reduce": 2}
+        assert layer["backward"] == {"all_reduce": 2}
 
 
 def test_collectives_per_layer_sequence_parallel() -> None:
@@ -117,9 +134,9 @@ def test_collectives_per_layer_sequence_parallel() -> None:
     (before QKV and fc), 2 reduce-scatters (after the projections). Backward: their
     conjugates (2 reduce-scatters, 2 gathers) plus 2 gathers that re-build the column
     layers' inputs, which are stored as sequence chunks only (Korthikanti et al. 4.2.2)."""
-    layer = _per_layer(2, sequence_parallel=True)
-    assert layer["forward"] == {"all_gather": 2, "reduce_scatter": 2}
-    assert layer["backward"] == {"all_gather": 4, "reduce_scatter": 2}
+    for layer in _per_layer(2, sequence_parallel=True).values():
+        assert layer["forward"] == {"all_gather": 2, "reduce_scatter": 2}
+        assert layer["backward"] == {"all_gather": 4, "reduce_scatter": 2}
 
 
 def test_tp_random_streams() -> None:
@@ -176,5 +193,13 @@ def test_bad_shapes_are_named() -> None:
         check_tp_shapes(GPTConfig(n_head=4, d_model=50), 2, False)
     with pytest.raises(ValueError, match="seq_len=10 is not divisible by tp=4"):
         check_tp_shapes(GPTConfig(n_head=4, d_model=32, seq_len=10), 4, True)
+    with pytest.raises(ValueError, match="n_kv_head=2 is not divisible by tp=4"):
+        check_tp_shapes(GPTConfig(n_head=8, n_kv_head=2, d_model=64), 4, False)
+    with pytest.raises(ValueError, match="n_head=6 is not divisible by n_kv_head=4"):
+        check_tp_shapes(GPTConfig(n_head=6, n_kv_head=4, d_model=48), 2, False)
+    with pytest.raises(ValueError, match="MLP width 30 .* not divisible by tp=4"):
+        check_tp_shapes(GPTConfig(n_head=4, d_model=32, d_ff=30), 4, False)
+    with pytest.raises(ValueError, match="head_dim=5 .* must be even for rotary"):
+        check_tp_shapes(GPTConfig(n_head=2, d_model=10, positions="rope"), 2, False)
     with pytest.raises(ValueError, match="world size 6 is not divisible by tp=4"):
         check_layout(6, 4)

@@ -68,10 +68,11 @@ def equivalence(tp: int, config: GPTConfig) -> dict[bool, dict[str, Any]]:
     return in_process_group(work)
 
 
-def recompute_grads(tp: int, config: GPTConfig, sequence_parallel: bool) -> dict[str, Any]:
-    """Gradients (dropout on) for each recompute policy, at one layout."""
+def recompute_grads(tp: int, cases: list[tuple[GPTConfig, bool]]) -> list[dict[str, Any]]:
+    """Gradients (dropout on) for each recompute policy, for each (config, sequence
+    parallel) case: one process group for all of them."""
 
-    def work() -> dict[str, Any]:
+    def work() -> list[dict[str, Any]]:
         topology = Topology.build(tp)
         policies = {
             "none": RecomputePolicy(),
@@ -79,28 +80,36 @@ def recompute_grads(tp: int, config: GPTConfig, sequence_parallel: bool) -> dict
             "full": RecomputePolicy(Recompute.FULL),
             "full-every-2": RecomputePolicy(Recompute.FULL, every=2),
         }
-        return {
-            name: forward_backward(build(config, topology, sequence_parallel, policy), config)
-            for name, policy in policies.items()
-        }
+        return [
+            {
+                name: forward_backward(build(config, topology, sp, policy), config)
+                for name, policy in policies.items()
+            }
+            for config, sp in cases
+        ]
 
     return in_process_group(work)
 
 
-def collective_counts(tp: int, config: GPTConfig, sequence_parallel: bool) -> dict[str, Any]:
-    """Counted TP collectives of one forward and one backward, by kind."""
+def collective_counts(
+    tp: int, configs: list[GPTConfig], sequence_parallel: bool
+) -> list[dict[str, Any]]:
+    """Counted TP collectives of one forward and one backward, by kind, for each config."""
 
-    def work() -> dict[str, Any]:
+    def work() -> list[dict[str, Any]]:
         topology = Topology.build(tp)
-        model = build(config, topology, sequence_parallel)
-        x, y = batch(config)
-        counter = topology.counter
-        counter.reset()
-        loss = model(x, y)
-        forward = counter.snapshot()
-        counter.reset()
-        loss.backward()
-        return {"forward": forward, "backward": counter.snapshot()}
+        counts = []
+        for config in configs:
+            model = build(config, topology, sequence_parallel)
+            x, y = batch(config)
+            counter = topology.counter
+            counter.reset()
+            loss = model(x, y)
+            forward = counter.snapshot()
+            counter.reset()
+            loss.backward()
+            counts.append({"forward": forward, "backward": counter.snapshot()})
+        return counts
 
     return in_process_group(work)
 

@@ -4,7 +4,12 @@ loss, sequence parallelism and the TP-aware random stream."""
 from .context import TensorParallel
 from .cross_entropy import vocab_parallel_cross_entropy
 from .grads import sync_sequence_parallel_grads
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
 from .mappings import (
     copy_to_region,
     gather_from_region,
@@ -23,6 +28,7 @@ __all__ = [
     "TPRandom",
     "TensorParallel",
     "VocabParallelEmbedding",
+    "VocabParallelOutput",
     "copy_to_region",
     "gather_from_region",
     "gather_from_sequence",

@@ -74,48 +74,47 @@ def _split_size(size: int, parts: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y_i = x W_i^T + b_i with W split by output features; y stays split across TP."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, tp: TensorParallel, bias: bool = True
+    ) -> None:
         super().__init__()
         self.tp, self.out_features = tp, out_features
         local = _split_size(out_features, tp.size, "ColumnParallelLinear out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
-        self.bias = nn.Parameter(torch.empty(local))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return parallel_linear_input(x, self.weight, self.bias, self.tp)
 
     def tp_shards(self) -> dict[str, ShardSpec]:
-        return {
-            "weight": ShardSpec(0, self.out_features, self.tp.size),
-            "bias": ShardSpec(0, self.out_features, self.tp.size),
-        }
+        spec = ShardSpec(0, self.out_features, self.tp.size)
+        return {"weight": spec, "bias": spec} if self.bias is not None else {"weight": spec}
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_i x_i W_i^T + b with W split by input features; x arrives split across TP.
     The bias is replicated and added once, after the reduction."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, tp: TensorParallel, bias: bool = True
+    ) -> None:
         super().__init__()
         self.tp, self.in_features = tp, in_features
         local = _split_size(in_features, tp.size, "RowParallelLinear in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
-        self.bias = nn.Parameter(torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_parallel_output(F.linear(x, self.weight), self.tp) + self.bias
+        y = reduce_parallel_output(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
 
     def tp_shards(self) -> dict[str, ShardSpec]:
         return {"weight": ShardSpec(1, self.in_features, self.tp.size)}
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding with the vocabulary split across TP ranks.
-
-    The table is padded to a multiple of tp (padding rows are zero and never looked up).
-    Each rank looks up the ids in its range and writes zeros for the others; the sum over
-    ranks (all-reduce, or reduce-scatter along the sequence under SP) is the embedding.
-    """
+class _VocabTable(nn.Module):
+    """A (vocabulary, dim) table split by vocabulary rows across TP ranks, padded to a
+    multiple of tp (padding rows are zero)."""
 
     def __init__(self, num_embeddings: int, dim: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -123,6 +122,18 @@ class VocabParallelEmbedding(nn.Module):
         self.local_size = -(-num_embeddings // tp.size)
         self.vocab_start = tp.rank * self.local_size
         self.weight = nn.Parameter(torch.empty(self.local_size, dim))
+
+    def tp_shards(self) -> dict[str, ShardSpec]:
+        return {"weight": ShardSpec(0, self.num_embeddings, self.tp.size)}
+
+
+class VocabParallelEmbedding(_VocabTable):
+    """Embedding with the vocabulary split across TP ranks.
+
+    Padding rows are never looked up. Each rank looks up the ids in its range and writes
+    zeros for the others; the sum over ranks (all-reduce, or reduce-scatter along the
+    sequence under SP) is the embedding.
+    """
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -133,5 +144,11 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_parallel_output(out, self.tp)
 
-    def tp_shards(self) -> dict[str, ShardSpec]:
-        return {"weight": ShardSpec(0, self.num_embeddings, self.tp.size)}
+
+class VocabParallelOutput(_VocabTable):
+    """An output layer (untied from the embedding) with the vocabulary split across TP:
+    each rank computes the logits of its vocabulary slice, (..., V/tp), for the
+    vocabulary-parallel loss; padding columns are masked there."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return parallel_linear_input(x, self.weight, None, self.tp)

@@ -1,4 +1,7 @@
-"""GPT-2 architecture on `hybrid` layers."""
+"""The GPT architecture on `hybrid` layers: GPT-2 by default, Llama-family options.
+
+Hugging Face import/export is in `models.gpt.hf` (imported on demand: it loads transformers).
+"""
 
 from .accounting import count_parameters, flops_per_token
 from .config import GPTConfig, pad_vocab_size

@@ -1,13 +1,16 @@
-"""The GPT-2 architecture on tensor-parallel layers.
+"""The GPT architecture on tensor-parallel layers: GPT-2 by default, Llama-family options.
 
-Pre-LayerNorm blocks, GELU MLP, learned positions, tied input/output embeddings, dropout,
-causal scaled-dot-product attention. With tp ranks (Megatron-LM, Shoeybi et al. 2019):
+Pre-norm blocks (LayerNorm or RMSNorm), multi-head or grouped-query causal attention with
+learned or rotary positions, a GELU or SwiGLU MLP, tied or separate output embeddings,
+dropout. With tp ranks (Megatron-LM, Shoeybi et al. 2019):
 - attention heads are split across ranks: QKV is column-parallel with its output features
-  ordered (head, q|k|v, head_dim), so each rank's slice holds whole heads; the output
-  projection is row-parallel;
-- the MLP is column-parallel, then row-parallel;
-- the token embedding is vocabulary-parallel and doubles as the output layer (tied), and
-  the loss is computed on the vocabulary slices (no full logits anywhere).
+  ordered (kv_head, [q_1 .. q_g, k, v], head_dim), (head, q|k|v, head_dim) for multi-head
+  attention, so each rank's slice holds whole heads (attention.py); the output projection
+  is row-parallel;
+- the MLP is column-parallel, then row-parallel (mlp.py);
+- the token embedding is vocabulary-parallel and, tied, doubles as the output layer (or
+  `lm_head` is a separate vocabulary-parallel weight), and the loss is computed on the
+  vocabulary slices (no full logits anywhere).
 Activations inside the model are (sequence, batch, features); under sequence parallelism
 the residual stream holds this rank's sequence chunk.
 """
@@ -15,76 +18,32 @@ the residual stream holds this rank's sequence chunk.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from hybrid.dropout import dropout
 from hybrid.recompute import RecomputePolicy, maybe_recompute
 from hybrid.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
+    VocabParallelOutput,
     gather_from_region,
     init_from_seed,
     parameter_shards,
     vocab_parallel_cross_entropy,
 )
 from hybrid.tensor_parallel.layers import parallel_linear_input
-from hybrid.tensor_parallel.shards import seeded_slice
+from hybrid.tensor_parallel.shards import full_shape, local_slice, seeded_slice
 
+from .attention import CausalSelfAttention
 from .config import GPTConfig
+from .mlp import make_mlp
+from .norms import make_norm
 
 INIT_STD = 0.02  # GPT-2's initializer_range
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, tp: TensorParallel, recompute_core: bool) -> None:
-        super().__init__()
-        self.tp, self.recompute_core = tp, recompute_core
-        self.local_heads = config.n_head // tp.size
-        self.dropout = config.dropout
-        self.qkv = ColumnParallelLinear(config.d_model, 3 * config.d_model, tp)
-        self.proj = RowParallelLinear(config.d_model, config.d_model, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = rearrange(
-            self.qkv(x), "s b (h three d) -> three b h s d", h=self.local_heads, three=3
-        )
-        y = maybe_recompute(self.recompute_core, self._core, *qkv, rng=self.tp.rng)
-        return self.proj(rearrange(y, "b h s d -> s b (h d)"))
-
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V with the causal mask and attention dropout.
-
-        Without dropout: the fused kernel (flash attention where available), which keeps no
-        s x s tensor. With dropout: the explicit form, which keeps exactly the paper's
-        5as^2b bytes (softmax output, 1-byte mask, dropout output; Korthikanti et al. 4.1);
-        SDPA's CPU fallback would keep three fp32 s x s tensors instead. The heads differ
-        across TP ranks, so the dropout draws from the TP stream.
-        """
-        if not (self.training and self.dropout > 0):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        seq = q.shape[-2]
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
-        probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-        with self.tp.split_region_rng():
-            probs = dropout(probs, self.dropout, self.training)
-        return torch.matmul(probs, v)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        self.fc = ColumnParallelLinear(config.d_model, 4 * config.d_model, tp)
-        self.proj = RowParallelLinear(4 * config.d_model, config.d_model, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
@@ -94,10 +53,10 @@ class Block(nn.Module):
         super().__init__()
         self.tp = tp
         self.recompute_layer = recompute.full_layer(index)
-        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, tp, recompute.attention_core)
-        self.ln_2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config, tp)
+        self.ln_2 = make_norm(config)
+        self.mlp = make_mlp(config, tp)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,11 +72,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 at any tensor-parallel degree.
+    """The decoder at any tensor-parallel degree.
 
     `n_real_tokens` (default: `config.vocab_size`) is how many vocabulary entries are real
     tokens; the loss masks the rest (Megatron-style padding to a multiple of 128, and to a
     multiple of tp), so the loss equals that of the unpadded model.
+
+    Weights come from the seed (`reset_parameters`) or, with `init_weights`, from full
+    (tp=1) tensors under our parameter names, e.g. a Hugging Face checkpoint converted by
+    `models.gpt.hf`: each rank keeps only its TP slice (`load_full_state`).
     """
 
     def __init__(
@@ -128,44 +91,87 @@ class GPT(nn.Module):
         seed: int = 0,
         n_real_tokens: int | None = None,
         device: torch.device | str | None = None,
+        init_weights: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """On `device="meta"` only shapes exist: nothing is allocated or initialised, and
-        the Engine materialises each rank's shard from `initial_value` (ZeRO-3 at scale)."""
+        the Engine materialises each rank's shard from `initial_value` (ZeRO-3 at scale),
+        which slices `init_weights` when given, else draws from the seed."""
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set before building the model")
         tp = tp or TensorParallel.single(seed)
         recompute = recompute or RecomputePolicy()
+        config.check()
         check_tp_shapes(config, tp.size, tp.sequence_parallel)
         self.config, self.tp = config, tp
         self.n_real_tokens = n_real_tokens or config.vocab_size
         self.seed = seed
+        self._init_weights: Mapping[str, torch.Tensor] | None = None
         with torch.device(device or "cpu"):
             self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model, tp)
-            self.wpe = nn.Embedding(config.seq_len, config.d_model)
+            if config.positions == "learned":
+                self.wpe = nn.Embedding(config.seq_len, config.d_model)
             self.blocks = nn.ModuleList(
                 Block(config, tp, recompute, i) for i in range(config.n_layer)
             )
-            self.ln_f = nn.LayerNorm(config.d_model)
-        if torch.device(device or "cpu").type != "meta":
+            self.ln_f = make_norm(config)
+            if not config.tie_embeddings:
+                self.lm_head = VocabParallelOutput(config.vocab_size, config.d_model, tp)
+        if init_weights is not None:
+            self.load_full_state(init_weights)
+        elif torch.device(device or "cpu").type != "meta":
             self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int) -> None:
         """GPT-2 initialisation (Radford et al. 2019, section 2.3), drawn per parameter from
         (seed, name) so every tp slices the same full weights (hybrid.tensor_parallel.shards).
 
-        Weights N(0, 0.02), biases 0, LayerNorm (1, 0); the residual projections that write
+        Weights N(0, 0.02), biases 0, norm gains 1; the residual projections that write
         into the residual stream (attention and MLP output) are scaled by 1/sqrt(2 n_layer),
-        since each layer adds two of them to the stream.
+        since each layer adds two of them to the stream. The same rule serves every option
+        (GQA's QKV, SwiGLU's gate|up, the untied output layer are plain N(0, 0.02)).
         """
-        self.seed = seed
+        self.seed, self._init_weights = seed, None
         init_from_seed(self, seed, self._init_rule, self.tp.rank)
 
+    @torch.no_grad()
+    def load_full_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set every parameter to this TP rank's slice of the full (tp=1) tensor of the same
+        name in `state`; names and full shapes must match exactly.
+
+        Parameters on the meta device cannot take data: for them the mapping is kept, and
+        `initial_value` slices it when the Engine materialises the model (the tensors stay
+        referenced until `reset_parameters` or the model is dropped).
+        """
+        expected = dict(self.named_parameters())
+        missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+        if missing or unexpected:
+            raise ValueError(
+                f"imported weights do not match the model: missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)}"
+            )
+        specs = parameter_shards(self)
+        for name, param in expected.items():
+            want = full_shape(param, specs.get(name))
+            if tuple(state[name].shape) != want:
+                raise ValueError(
+                    f"imported weight {name} has shape {tuple(state[name].shape)}; the model "
+                    f"(tp=1) expects {want}"
+                )
+        if any(p.device.type == "meta" for p in expected.values()):
+            self._init_weights = state
+        for name, param in expected.items():
+            if param.device.type != "meta":
+                param.copy_(local_slice(state[name], specs.get(name), self.tp.rank))
+
     def initial_value(self, name: str) -> torch.Tensor:
-        """This TP rank's slice of parameter `name` as `reset_parameters` draws it; one
-        full parameter at a time, for materialising a model built on the meta device."""
+        """This TP rank's slice of parameter `name`'s initial value (the imported tensor,
+        or the seeded draw of `reset_parameters`); one full parameter at a time, for
+        materialising a model built on the meta device."""
         param = self.get_parameter(name)
         spec = parameter_shards(self).get(name)
+        if self._init_weights is not None:
+            return local_slice(self._init_weights[name], spec, self.tp.rank).to(param.dtype)
         return seeded_slice(name, param, spec, self.seed, self._init_rule, self.tp.rank)
 
     def _init_rule(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -187,9 +193,7 @@ class GPT(nn.Module):
         x = self._embed(idx.t())
         for block in self.blocks:
             x = block(x)
-        x = self.ln_f(x)
-        # The tied output layer: the embedding's vocabulary slice as a column-split weight.
-        logits = parallel_linear_input(x, self.wte.weight, None, self.tp)  # (s, b, V/tp)
+        logits = self._output(self.ln_f(x))  # (s, b, V/tp)
         if targets is None:
             full = gather_from_region(logits, self.tp.group)[..., : self.config.vocab_size]
             return full.transpose(0, 1)
@@ -199,15 +203,24 @@ class GPT(nn.Module):
         return loss.mean()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token + position embeddings with dropout; under sequence parallelism this rank's
-        chunk of the sequence (the token embedding's reduction is a reduce-scatter)."""
+        """Token (+ learned position) embeddings with dropout; under sequence parallelism
+        this rank's chunk of the sequence (the token embedding's reduction is a
+        reduce-scatter). Rotary positions are applied inside attention instead."""
         x = self.wte(ids)  # (s, b, h) or (s/tp, b, h)
-        chunk = x.shape[0]
-        start = self.tp.rank * chunk if self.tp.sequence_parallel else 0
-        positions = torch.arange(start, start + chunk, device=ids.device)
-        x = x + self.wpe(positions).unsqueeze(1)
+        if self.config.positions == "learned":
+            chunk = x.shape[0]
+            start = self.tp.rank * chunk if self.tp.sequence_parallel else 0
+            positions = torch.arange(start, start + chunk, device=ids.device)
+            x = x + self.wpe(positions).unsqueeze(1)
         with self.tp.residual_rng():
             return dropout(x, self.config.dropout, self.training)
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits. Tied: the embedding's slice serves
+        as a column-split output weight (Press & Wolf 2017)."""
+        if self.config.tie_embeddings:
+            return parallel_linear_input(x, self.wte.weight, None, self.tp)
+        return self.lm_head(x)
 
     @torch.no_grad()
     def generate(
@@ -239,10 +252,29 @@ def check_tp_shapes(config: GPTConfig, tp: int, sequence_parallel: bool) -> None
     """Shapes a tensor-parallel GPT needs; each message names the numbers."""
     if config.d_model % config.n_head:
         raise ValueError(f"d_model={config.d_model} is not divisible by n_head={config.n_head}")
+    if config.n_head % config.kv_heads:
+        raise ValueError(
+            f"n_head={config.n_head} is not divisible by n_kv_head={config.kv_heads}: in "
+            "grouped-query attention each key/value head serves n_head/n_kv_head query heads"
+        )
     if config.n_head % tp:
         raise ValueError(
             f"n_head={config.n_head} is not divisible by tp={tp}: attention heads are split "
             "across tensor-parallel ranks"
+        )
+    if config.kv_heads % tp:
+        raise ValueError(
+            f"n_kv_head={config.kv_heads} is not divisible by tp={tp}: key/value heads are "
+            "split across tensor-parallel ranks with their query heads"
+        )
+    if config.ffn_dim % tp:
+        raise ValueError(
+            f"MLP width {config.ffn_dim} (d_ff) is not divisible by tp={tp}: the MLP is "
+            "split across tensor-parallel ranks"
+        )
+    if config.positions == "rope" and config.head_dim % 2:
+        raise ValueError(
+            f"head_dim={config.head_dim} (d_model / n_head) must be even for rotary positions"
         )
     if sequence_parallel and config.seq_len % tp:
         raise ValueError(

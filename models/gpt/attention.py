@@ -1,0 +1,105 @@
+"""Causal self-attention on tensor-parallel layers: multi-head or grouped-query, with
+learned (added to the embeddings elsewhere) or rotary positions."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from hybrid.dropout import dropout
+from hybrid.recompute import maybe_recompute
+from hybrid.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+
+from .config import GPTConfig
+
+
+class CausalSelfAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V over the causal past, heads split across TP ranks.
+
+    QKV is one column-parallel projection whose output features are ordered
+    (kv_head, [q_1 .. q_g, k, v], head_dim), with g = n_head / n_kv_head query heads
+    sharing each key/value head (grouped-query attention, Ainslie et al. 2023,
+    arXiv 2305.13245; query head i uses kv head i // g, as in Hugging Face's repeat_kv).
+    A contiguous slice of whole kv groups holds its query heads and their shared key and
+    value, so TP splits QKV by groups (Megatron-LM, Shoeybi et al. 2019) and the layout
+    does not depend on tp. With g = 1 it is (head, q|k|v, head_dim). The output
+    projection is row-parallel.
+    """
+
+    def __init__(self, config: GPTConfig, tp: TensorParallel, recompute_core: bool) -> None:
+        super().__init__()
+        self.tp, self.recompute_core = tp, recompute_core
+        self.local_kv = config.kv_heads // tp.size
+        self.group = config.n_head // config.kv_heads
+        self.dropout = config.dropout
+        self.rope_theta = config.rope_theta if config.positions == "rope" else None
+        qkv_features = (config.n_head + 2 * config.kv_heads) * config.head_dim
+        attn_features = config.n_head * config.head_dim
+        self.qkv = ColumnParallelLinear(config.d_model, qkv_features, tp, bias=config.bias)
+        self.proj = RowParallelLinear(attn_features, config.d_model, tp, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        parts = rearrange(self.qkv(x), "s b (kv p d) -> p b kv s d", kv=self.local_kv, p=g + 2)
+        q = parts[0] if g == 1 else rearrange(parts[:g], "g b kv s d -> b (kv g) s d")
+        k, v = parts[g], parts[g + 1]
+        if self.rope_theta is not None:
+            # The QKV projection gathered the sequence (under sequence parallelism too), so
+            # q and k hold the whole sequence: positions 0 .. s-1.
+            cos, sin = rotary_cos_sin(q.shape[-2], q.shape[-1], self.rope_theta, q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = maybe_recompute(self.recompute_core, self._core, q, k, v, rng=self.tp.rng)
+        return self.proj(rearrange(y, "b h s d -> s b (h d)"))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (b, heads, s, d), k and v (b, kv_heads, s, d) -> (b, heads, s, d).
+
+        Without dropout: the fused kernel (flash attention where available), which keeps no
+        s x s tensor. With dropout: the explicit form, which keeps exactly the paper's
+        5as^2b bytes (softmax output, 1-byte mask, dropout output; Korthikanti et al. 4.1);
+        SDPA's CPU fallback would keep three fp32 s x s tensors instead. The heads differ
+        across TP ranks, so the dropout draws from the TP stream.
+        """
+        if not (self.training and self.dropout > 0):
+            gqa = {"enable_gqa": True} if self.group > 1 else {}
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        seq = q.shape[-2]
+        q = q.unflatten(1, (-1, self.group))  # (b, kv, g, s, d): broadcast k, v over g
+        k, v = k.unsqueeze(2), v.unsqueeze(2)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
+        probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        with self.tp.split_region_rng():
+            probs = dropout(probs, self.dropout, self.training)
+        return torch.matmul(probs, v).flatten(1, 2)
+
+
+def rotary_cos_sin(
+    seq: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, (seq, head_dim), in fp32.
+
+    Rotary position embedding (RoFormer, Su et al. 2021, arXiv 2104.09864): frequencies
+    theta^(-2i/d), i < d/2. The paper rotates the pairs of features (2i, 2i+1); GPT-NeoX
+    and Hugging Face's Llama rotate (i, i + d/2) ("rotate_half"), which is the paper's
+    rotation after a fixed permutation of each head's q and k features. We use the
+    rotate-half layout, so Hugging Face Llama checkpoints load without permuting weights;
+    the angles are computed as Hugging Face does (fp32, position * inverse frequency).
+    """
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+    inverse_frequency = 1.0 / (theta ** (steps / head_dim))
+    angles = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inverse_frequency
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's features of x (..., s, d) in the rotate-half layout: feature i
+    pairs with i + d/2, so every head is rotated whole, on any TP rank."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
