@@ -94,7 +94,11 @@ def find_latest(root: Path) -> Path | None:
 
 
 def check_checkpoint(path: Path) -> dict[str, Any]:
-    """The trainer state of a complete checkpoint, or a CheckpointError naming the fix."""
+    """The trainer state of a complete checkpoint, or a CheckpointError naming the fix.
+
+    Also checks, before any process group starts, that every shard file the index refers
+    to is there and holds at least the bytes the index reads from it: a missing or
+    truncated shard is named here instead of failing inside a collective load."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
@@ -103,9 +107,33 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
             "folder written by hybrid, such as <run_dir>/checkpoints/step_00000100"
         )
     try:
-        return json.loads((path / STATE_FILE).read_text())
+        state = json.loads((path / STATE_FILE).read_text())
     except ValueError as error:
         raise CheckpointError(f"{path / STATE_FILE} is corrupt: {error}") from error
+    check_shard_files(path)
+    return state
+
+
+def check_shard_files(path: Path) -> None:
+    """CheckpointError naming the first shard file that is missing or shorter than the
+    byte ranges the index (`.metadata`) assigns to it."""
+    storage = SafeReader(str(path)).read_metadata().storage_data or {}
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(
+                f"checkpoint shard {file} is missing; the checkpoint is incomplete: resume "
+                "from an earlier one (checkpoint.resume=<folder>) or restore the file"
+            )
+        if file.stat().st_size < size:
+            raise CheckpointError(
+                f"checkpoint shard {file} is truncated ({file.stat().st_size} bytes, the "
+                f"index reads up to byte {size}): resume from an earlier checkpoint"
+            )
 
 
 def barrier() -> None:
@@ -143,9 +171,14 @@ def commit(root: Path, tmp: Path, step: int, state: dict[str, Any], keep: int) -
     final = root / step_name(step)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _write_durably(tmp / STATE_FILE, json.dumps(state, indent=1))
+        # A checkpoint of the same step (a rerun from an earlier one) is moved aside, not
+        # deleted, until its replacement is in place: a crash never leaves neither.
+        old = root / f".old-{final.name}"
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         _write_durably(root / f"{LATEST}.tmp", final.name)
         os.replace(root / f"{LATEST}.tmp", root / LATEST)
         complete = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,7 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: int = 1000
+    seq_len: int | None = None  # tokens per training sequence; null: model.seq_len
     global_batch_size: int = 32  # sequences per optimizer step, over all DP ranks
     micro_batch_size: int = 8  # sequences per forward pass on one rank
     lr: float = 6e-4
@@ -109,11 +111,21 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str | None = None  # default: runs/<config file name>
+    init_from: str | None = None  # launch.finetune: the Hugging Face folder to start from
     dist_timeout_s: float = 600.0  # collective timeout before a stuck job is torn down
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides; returns a checked Config."""
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] = (),
+    pretrained_model: Callable[[str], GPTConfig] | None = None,
+) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides; returns a checked Config.
+
+    With `pretrained_model` (fine-tuning) the model's shape is not the user's to choose:
+    it is read from the `init_from` folder by `pretrained_model(init_from)`, and of the
+    model section only `dropout` may be set.
+    """
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -131,11 +143,40 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not sep or not key:
             raise ConfigError(f"override '{item}' must look like key=value, e.g. train.lr=3e-4")
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    if pretrained_model is not None:
+        _take_pretrained_model(tree, pretrained_model)
+    elif tree.get("init_from") is not None:
+        raise ConfigError(
+            "init_from is for fine-tuning: run `torchrun ... -m launch.finetune` "
+            "(launch.pretrain starts from random weights; remove init_from)"
+        )
     config = _build(Config, tree, prefix="")
     if config.run_dir is None:
         config.run_dir = str(Path("runs") / (Path(path).stem if path else "default"))
     validate(config)
     return config
+
+
+FINE_TUNABLE_MODEL_KEYS = ("dropout",)
+
+
+def _take_pretrained_model(tree: dict[str, Any], read: Callable[[str], GPTConfig]) -> None:
+    folder = tree.get("init_from")
+    if not folder:
+        raise ConfigError(
+            "init_from is not set; give the Hugging Face folder to fine-tune, "
+            "e.g. init_from=path/to/model (config.json, weights and tokenizer)"
+        )
+    model = tree.get("model") or {}
+    if not isinstance(model, dict):
+        raise ConfigError("'model' is a section; give it keys, not a value")
+    fixed = sorted(set(model) - set(FINE_TUNABLE_MODEL_KEYS))
+    if fixed:
+        raise ConfigError(
+            f"model.{fixed[0]} cannot be set when fine-tuning: the model's shape comes from "
+            f"{folder}/config.json (only model.dropout may be set); remove it"
+        )
+    tree["model"] = dataclasses.asdict(read(str(folder))) | model
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -310,6 +351,17 @@ def validate(config: Config) -> None:
         raise ConfigError(
             "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence "
             "across tensor-parallel ranks); set parallel.tp or sequence_parallel=false"
+        )
+    window = t.seq_len or m.seq_len
+    if t.seq_len is not None and not 1 <= t.seq_len <= m.seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} must be between 1 and model.seq_len={m.seq_len} "
+            "(the longest sequence the model takes); lower it or set it to null"
+        )
+    if p.sequence_parallel and window % p.tp:
+        raise ConfigError(
+            f"train.seq_len={window} is not divisible by parallel.tp={p.tp}; sequence "
+            "parallelism splits each sequence into tp equal chunks"
         )
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(

@@ -15,41 +15,66 @@ import torch
 
 from hybrid.comm import Group
 from hybrid.engine import Engine
+from models.gpt import IGNORE_INDEX
+
+Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def split_batch(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) on `device`: a packed window of seq_len + 1 tokens is cut into its
+    inputs and the same tokens shifted by one; supervised examples come already split,
+    with IGNORE_INDEX targets where no loss is taken."""
+    if isinstance(batch, tuple):
+        inputs, targets = batch
+    else:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
 
 
 def train_step(
-    engine: Engine, micro_batches: list[torch.Tensor], lr: float, device: torch.device
+    engine: Engine, micro_batches: list[Batch], lr: float, device: torch.device
 ) -> tuple[float, float, bool]:
     """Forward, backward and update on this rank's micro-batches.
 
+    The loss is the mean over every target token of the global batch. With packed windows
+    each micro-batch holds the same number of tokens, so it is the mean of micro-batch
+    means. With masked targets (supervised examples) micro-batches hold different numbers:
+    the count over the global batch is summed across DP first (one scalar all-reduce), and
+    each micro-batch's loss is its sum times micro x dp over that count, which the Engine's
+    1/(micro x dp) scaling turns into the global mean.
+
     Returns (mean loss over the global batch, gradient norm before clipping, skipped).
     """
+    pairs = [split_batch(batch, device) for batch in micro_batches]
+    loss_tokens = None
+    if isinstance(micro_batches[0], tuple):
+        count = sum((y != IGNORE_INDEX).sum() for _, y in pairs).to(torch.float64)
+        engine.dp.all_reduce(count)
+        loss_tokens = (count.clamp(min=1) / (len(pairs) * engine.dp.size)).float()
     loss_sum = torch.zeros((), device=device)
-    for batch in micro_batches:
-        batch = batch.to(device, non_blocking=True)
-        loss = engine(batch[:, :-1], batch[:, 1:])
+    for inputs, targets in pairs:
+        loss = engine(inputs, targets, loss_tokens)
         engine.backward(loss)
-        loss_sum += loss.detach().float() / len(micro_batches)
+        loss_sum += loss.detach().float() / len(pairs)
     stats = engine.step(lr)
     return _mean_over(loss_sum, engine.dp), stats.grad_norm, stats.skipped
 
 
 @torch.no_grad()
-def evaluate(
-    engine: Engine, batches: list[torch.Tensor], dp_group: Group, device: torch.device
-) -> float:
-    """Mean loss over the validation set, every sample counted once across DP ranks."""
+def evaluate(engine: Engine, batches: list[Batch], dp_group: Group, device: torch.device) -> float:
+    """Mean loss over every target token of the validation set, each sample counted once
+    across DP ranks."""
     model = engine.module
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (loss x samples, samples)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, target tokens)
     for batch in batches:
-        batch = batch.to(device, non_blocking=True)
-        loss = engine(batch[:, :-1], batch[:, 1:])
-        totals += torch.stack([loss.double() * len(batch), torch.tensor(len(batch)).double()])
+        inputs, targets = split_batch(batch, device)
+        tokens = (targets != IGNORE_INDEX).sum().double()
+        totals += torch.stack([engine(inputs, targets).double() * tokens, tokens])
     dp_group.all_reduce(totals)
     model.train(was_training)
-    return float(totals[0] / totals[1])
+    return float(totals[0] / totals[1].clamp(min=1))
 
 
 def _mean_over(value: torch.Tensor, group: Group) -> float:

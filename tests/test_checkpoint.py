@@ -1,21 +1,31 @@
 """Checkpoints: saved at one layout, loaded at another with identical states; training
-continues as if never stopped."""
+continues as if never stopped. Damaged checkpoints are named before anything loads, and a
+failed save never costs the last good checkpoint."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import zero_cases
 from checkpoint_cases import run
 from small_run import TINY_CONFIG, small_run_overrides
 
+import hybrid.checkpoint
+from hybrid.checkpoint import load_checkpoint, save_checkpoint
+from hybrid.checkpoint_files import CheckpointError, check_checkpoint, find_latest
 from hybrid.distributed import init_distributed, shutdown, world_size_from_env
+from hybrid.engine import Engine, EngineConfig
+from hybrid.tensor_parallel import TensorParallel
 from hybrid.testing import run_processes
+from hybrid.topology import Topology
 from launch.checkpointing import resume_from
 from launch.config import load_config, validate_layout
 from launch.pretrain import train
+from models.gpt import GPT
 
 
 def test_reshard_tp2_dp2_stage3_to_other_layouts(tmp_path: Path) -> None:
@@ -105,3 +115,46 @@ def test_crafted_checkpoint_index_is_refused_without_running_it(tmp_path: Path) 
     assert not marker.exists()
     pickle.loads((folder / ".metadata").read_bytes())  # the payload is real: it does run
     assert marker.exists()
+
+
+def _single_engine(seed: int) -> Engine:
+    topology = Topology.single()
+    model = GPT(zero_cases.CONFIG, seed=seed)
+    return Engine(model, topology, TensorParallel.from_topology(topology, seed), EngineConfig())
+
+
+def test_missing_or_truncated_shard_is_named_before_loading(tmp_path: Path) -> None:
+    saved = save_checkpoint(_single_engine(1), tmp_path, 1, {"step": 1}, {}, keep=1)
+    shard = next(saved.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"shard {shard} is truncated"):
+        load_checkpoint(_single_engine(2), saved)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"shard {shard} is missing"):
+        check_checkpoint(saved)
+    shard.write_bytes(data)
+    load_checkpoint(_single_engine(2), saved)  # restored: it loads again
+
+
+def test_a_failed_save_keeps_the_last_good_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that dies after writing part of its shards (keep=1, so pruning would delete
+    the good one if it ran) leaves the previous checkpoint, its pointer and its bytes."""
+    engine = _single_engine(1)
+    good = save_checkpoint(engine, tmp_path, 1, {"step": 1}, {}, keep=1)
+    before = {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()}
+
+    def dies_mid_write(state_dict: dict, storage_writer: Any) -> None:
+        (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hybrid.checkpoint.dcp, "save", dies_mid_write)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(engine, tmp_path, 2, {"step": 2}, {}, keep=1)
+    assert find_latest(tmp_path) == good
+    assert (tmp_path / "latest").read_text() == good.name
+    assert {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()} == before
+    monkeypatch.undo()
+    load_checkpoint(_single_engine(2), find_latest(tmp_path))

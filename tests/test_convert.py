@@ -37,3 +37,13 @@ def test_convert_refuses_a_folder_that_is_not_a_checkpoint(
 ) -> None:
     assert convert.main(["--to-hf", str(tmp_path / "o"), "--checkpoint", str(tmp_path)]) == 2
     assert "is not a complete checkpoint" in capsys.readouterr().err
+
+
+def test_convert_from_gguf_names_a_missing_file_or_package(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = "no-such-package-or-file.gguf"
+    assert convert.main(["--from-gguf", missing, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--from-gguf {missing}: neither a file nor an installed package" in err
+    assert not (tmp_path / "o").exists()

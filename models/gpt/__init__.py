@@ -5,6 +5,13 @@ Hugging Face import/export is in `models.gpt.hf` (imported on demand: it loads t
 
 from .accounting import count_parameters, flops_per_token
 from .config import GPTConfig, pad_vocab_size
-from .model import GPT
+from .model import GPT, IGNORE_INDEX
 
-__all__ = ["GPT", "GPTConfig", "count_parameters", "flops_per_token", "pad_vocab_size"]
+__all__ = [
+    "GPT",
+    "IGNORE_INDEX",
+    "GPTConfig",
+    "count_parameters",
+    "flops_per_token",
+    "pad_vocab_size",
+]

@@ -83,6 +83,13 @@ def read_hf_folder(path: str | Path) -> tuple[GPTConfig, dict[str, Tensor]]:
     model.safetensors.index.json, or, only when there is no safetensors file,
     pytorch_model.bin (read with torch.load(weights_only=True): no code runs).
     FileNotFoundError or ValueError naming the file for a missing or unreadable one."""
+    config = read_hf_config(path)
+    return config, hf_to_ours(read_hf_weights(path), config)
+
+
+def read_hf_config(path: str | Path) -> GPTConfig:
+    """Our config from a checkpoint folder's config.json, after checking that the folder
+    also holds weights (nothing large is read): the checks a job runs before it starts."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -96,26 +103,41 @@ def read_hf_folder(path: str | Path) -> tuple[GPTConfig, dict[str, Tensor]]:
         hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"{config_file}: not a readable Hugging Face config ({error})") from error
-    config = config_from_hf(hf_config)
-    return config, hf_to_ours(read_hf_weights(folder), config)
+    hf_weights_file(folder)
+    return config_from_hf(hf_config)
+
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def hf_weights_file(folder: str | Path) -> Path:
+    """The file read_hf_weights reads: the first of WEIGHT_FILES present."""
+    folder = Path(folder)
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(
+        f"{folder}: no weights; expected model.safetensors, model.safetensors.index.json "
+        "or pytorch_model.bin"
+    )
 
 
 def read_hf_weights(folder: str | Path) -> dict[str, Tensor]:
     """The tensors of a checkpoint folder under their Hugging Face names (see read_hf_folder
     for the files looked for, in order)."""
-    folder = Path(folder)
-    for name, reader in (
-        ("model.safetensors", _load_safetensors),
-        ("model.safetensors.index.json", lambda f: _load_sharded(f, _load_safetensors)),
-        ("pytorch_model.bin", _load_torch),
-        ("pytorch_model.bin.index.json", lambda f: _load_sharded(f, _load_torch)),
-    ):
-        if (folder / name).is_file():
-            return reader(folder / name)
-    raise FileNotFoundError(
-        f"{folder}: no weights; expected model.safetensors, model.safetensors.index.json "
-        "or pytorch_model.bin"
-    )
+    file = hf_weights_file(folder)
+    readers = {
+        "model.safetensors": _load_safetensors,
+        "model.safetensors.index.json": lambda f: _load_sharded(f, _load_safetensors),
+        "pytorch_model.bin": _load_torch,
+        "pytorch_model.bin.index.json": lambda f: _load_sharded(f, _load_torch),
+    }
+    return readers[file.name](file)
 
 
 def write_hf_folder(path: str | Path, full_state: Mapping[str, Tensor], config: GPTConfig) -> Path:

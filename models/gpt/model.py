@@ -44,6 +44,7 @@ from .mlp import make_mlp
 from .norms import make_norm
 
 INIT_STD = 0.02  # GPT-2's initializer_range
+IGNORE_INDEX = -100  # a target that takes no loss (torch's and Hugging Face's convention)
 
 
 class Block(nn.Module):
@@ -164,6 +165,11 @@ class GPT(nn.Module):
             if param.device.type != "meta":
                 param.copy_(local_slice(state[name], specs.get(name), self.tp.rank))
 
+    def forget_initial_weights(self) -> None:
+        """Drop the imported tensors kept for `initial_value` once the Engine has
+        materialised every shard (each rank would otherwise hold the full model)."""
+        self._init_weights = None
+
     def initial_value(self, name: str) -> torch.Tensor:
         """This TP rank's slice of parameter `name`'s initial value (the imported tensor,
         or the seeded draw of `reset_parameters`); one full parameter at a time, for
@@ -182,9 +188,21 @@ class GPT(nn.Module):
         std = residual_std if name.endswith("proj.weight") else INIT_STD
         return torch.randn(shape, generator=gen) * std
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross-entropy over tokens when `targets` (b, s) is given, else the full
-        logits (b, s, vocab_size), gathered across TP."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loss_tokens: float | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Without `targets`: the full logits (b, s, vocab_size), gathered across TP.
+
+        With `targets` (b, s): the cross-entropy summed over the targets that are not
+        IGNORE_INDEX (prompt and padding tokens in supervised fine-tuning), divided by
+        `loss_tokens`, by default their count (the mean). A trainer that accumulates
+        micro-batches passes the count it needs for the mean over the whole global batch:
+        averaging per micro-batch would weigh a token by how full its micro-batch is, and
+        the loss would change with the parallel layout.
+        """
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(
@@ -197,10 +215,14 @@ class GPT(nn.Module):
         if targets is None:
             full = gather_from_region(logits, self.tp.group)[..., : self.config.vocab_size]
             return full.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(
-            logits, targets.t(), self.tp.group, self.wte.vocab_start, self.n_real_tokens
-        )
-        return loss.mean()
+        targets = targets.t()
+        ignored = targets == IGNORE_INDEX
+        per_token = vocab_parallel_cross_entropy(
+            logits, targets, self.tp.group, self.wte.vocab_start, self.n_real_tokens
+        ).masked_fill(ignored, 0.0)  # and zero gradient: masked_fill's backward masks it
+        if loss_tokens is None:
+            loss_tokens = (~ignored).sum().clamp(min=1)
+        return per_token.sum() / loss_tokens
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token (+ learned position) embeddings with dropout; under sequence parallelism

@@ -1,0 +1,63 @@
+"""Fine-tune a Hugging Face checkpoint (GPT-2 or Llama family) at any layout:
+
+    torchrun --standalone --nproc_per_node N -m launch.finetune \
+        --config configs/finetune.yaml init_from=<Hugging Face folder> [key=value ...]
+
+The model's shape and weights come from the folder (config.json, model.safetensors or
+pytorch_model.bin read with weights_only=True); each rank keeps only its TP and ZeRO shard.
+So does the tokenizer, when the folder has one (`data.tokenizer` may name another folder).
+Data are local files: text (.txt, or jsonl/parquet `text` records), packed into windows of
+`train.seq_len` tokens, or jsonl records of `prompt` and `completion`, with the loss on
+the completion only (launch.data.examples). Every parallel option, checkpoint and resume
+key works as in launch.pretrain; at the end the model is exported to `<run_dir>/hf`, a
+folder `from_pretrained` loads, with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from models.gpt import GPTConfig
+from models.gpt.hf import read_hf_config
+
+from .cli import run
+from .config import Config, ConfigError, load_config
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def read_pretrained_model(folder: str) -> GPTConfig:
+    """The model config of a Hugging Face folder, checked before anything starts."""
+    try:
+        return read_hf_config(folder)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"init_from: {error}") from None
+
+
+def read_finetune_config(path: str | None, overrides: list[str]) -> Config:
+    config = load_config(path, overrides, pretrained_model=read_pretrained_model)
+    folder = Path(config.init_from)
+    has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
+    if config.data.tokenizer in ("gpt2", "bpe"):
+        if has_tokenizer:
+            config.data.tokenizer = str(folder)
+        elif config.data.tokenizer == "bpe":
+            raise ConfigError(
+                "data.tokenizer=bpe trains a new vocabulary, which the pretrained embeddings "
+                f"do not know; {folder} has no tokenizer, so set data.tokenizer to its folder"
+            )
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(
+        argv,
+        "python -m launch.finetune",
+        "Fine-tune a Hugging Face checkpoint (run it under torchrun).",
+        read_finetune_config,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""A training run, from random weights (launch.pretrain) or from a Hugging Face checkpoint
+(launch.finetune): build the model and the Engine, resume, train, evaluate, checkpoint,
+and write the result at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerBase
+
+from hybrid.distributed import DistributedEnv, barrier
+from hybrid.engine import Engine, EngineConfig
+from hybrid.recompute import Recompute, RecomputePolicy
+from hybrid.tensor_parallel import TensorParallel
+from hybrid.topology import Topology
+from models.gpt import GPT, count_parameters, pad_vocab_size
+from models.gpt.hf import hf_to_ours, read_hf_weights, write_hf_folder
+
+from .checkpointing import restore
+from .checkpointing import save as save_checkpoint
+from .config import Config, ConfigError, to_dict
+from .data import DistributedBatches, TokenWindows, eval_batches, load_tokenizer, prepare_data
+from .data.examples import is_prompt_completion, read_examples
+from .data.sampler import Samples
+from .data.token_file import resolve_files
+from .optim import lr_at
+from .tracking import Tracker, format_count, rotate_old_metrics, truncate_metrics
+from .trainer import eval_steps, evaluate, train_step
+
+
+@dataclass
+class RunData:
+    """What a run trains and validates on: packed token windows, or prompt/completion
+    examples (launch.data.examples) when the files are jsonl of that shape."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train: Samples
+    val: Samples
+    description: str
+
+
+def load_data(config: Config, env: DistributedEnv, window: int) -> RunData:
+    """One rank per node tokenizes into the cache; the others wait, then read it."""
+    if env.local_rank != 0:
+        barrier(env)
+    try:
+        paths = resolve_files(config.data.files)
+        if is_prompt_completion(paths):
+            tokenizer = load_tokenizer(config.data, paths)
+            examples = read_examples(paths, tokenizer, window)
+            train, val = examples.split(config.data.val_fraction)
+            description = f"{len(train):,} train / {len(val):,} val prompt/completion examples"
+            if examples.dropped:
+                description += f" ({examples.dropped} dropped: prompt fills train.seq_len)"
+        else:
+            data = prepare_data(config.data)
+            tokenizer = data.tokenizer
+            train = TokenWindows(data.train_tokens, window)
+            val = TokenWindows(data.val_tokens, window)
+            description = f"{len(data.train_tokens):,} train tokens"
+    except ValueError as error:  # the same files on every rank: every rank raises alike
+        raise ConfigError(str(error)) from None
+    finally:
+        if env.local_rank == 0:
+            barrier(env)
+    return RunData(tokenizer, train, val, description)
+
+
+def build_model(
+    config: Config,
+    n_tokens: int,
+    tp: TensorParallel,
+    device: torch.device | str,
+    resume: bool = False,
+) -> GPT:
+    """The GPT with the vocabulary sized from the tokenizer (padded to a multiple of 128,
+    Megatron's rule; the loss masks the padding), sliced for this TP rank. Under ZeRO-3 it
+    is built on the meta device and the Engine materialises only this rank's shard.
+
+    Fine-tuning (`init_from`) keeps the checkpoint's exact vocabulary, every entry a real
+    token, and its weights (unless a checkpoint of this run will replace them: `resume`).
+    """
+    model_config = config.model
+    p = config.parallel
+    recompute = RecomputePolicy(Recompute(p.recompute), p.recompute_every)
+    if config.init_from is not None:
+        if n_tokens > model_config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {n_tokens} tokens but {config.init_from} has "
+                f"{model_config.vocab_size} embeddings; use the tokenizer that came with it "
+                "(remove data.tokenizer)"
+            )
+        weights = None
+        if not resume:
+            weights = hf_to_ours(read_hf_weights(config.init_from), model_config)
+        return GPT(
+            model_config, tp, recompute, config.train.seed, device=device, init_weights=weights
+        )
+    if model_config.vocab_size is None:
+        model_config = dataclasses.replace(model_config, vocab_size=pad_vocab_size(n_tokens))
+    elif model_config.vocab_size < n_tokens:
+        raise ConfigError(
+            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"{n_tokens} tokens; remove model.vocab_size to size it from the tokenizer"
+        )
+    return GPT(
+        model_config, tp, recompute, config.train.seed, n_real_tokens=n_tokens, device=device
+    )
+
+
+def train(
+    config: Config, env: DistributedEnv, dp: int, resume: Path | None = None
+) -> list[dict[str, Any]]:
+    """Run the job from the start or from checkpoint `resume`, to `train.steps` (or
+    `train.stop_at`); returns the per-step metrics of this run (the same on every rank)."""
+    t, p = config.train, config.parallel
+    run_dir = Path(config.run_dir)
+    topology = Topology.build(p.tp, env.device.type)
+    assert topology.dp == dp
+    window = t.seq_len or config.model.seq_len
+    data = load_data(config, env, window)
+    # Replicated-region dropout draws from the default generator, seeded alike everywhere;
+    # TP regions from the TP stream (hybrid.tensor_parallel.random).
+    torch.manual_seed(t.seed + 1)
+    tp = TensorParallel.from_topology(topology, t.seed, p.sequence_parallel, env.device)
+    device = "meta" if p.zero_stage == 3 else env.device
+    model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
+    engine = Engine(
+        model,
+        topology,
+        tp,
+        EngineConfig(
+            zero_stage=p.zero_stage,
+            precision=t.precision,
+            micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
+            grad_clip=t.grad_clip,
+            weight_decay=t.weight_decay,
+        ),
+        units=list(model.blocks),
+        device=env.device,
+    )
+    model.forget_initial_weights()  # the Engine holds this rank's shards now
+    start_step, consumed_samples = 0, 0
+    if resume is not None:
+        state = restore(resume, engine, config, topology, tp)
+        start_step, consumed_samples = state["step"], state["consumed_samples"]
+    batches = DistributedBatches(
+        data.train,
+        t.seed,
+        t.global_batch_size,
+        t.micro_batch_size,
+        topology.dp_rank,
+        topology.dp,
+        start_sample=consumed_samples,
+    )
+    val_set = eval_batches(
+        data.val,
+        t.eval_batches * t.global_batch_size,
+        t.micro_batch_size,
+        topology.dp_rank,
+        topology.dp,
+    )
+    tracker = None
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step:
+            truncate_metrics(run_dir, start_step)
+            print(f"resuming from {resume} at step {start_step}", flush=True)
+        else:
+            rotate_old_metrics(run_dir)
+        resolved = to_dict(config) | {"model": dataclasses.asdict(model.config)}
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        print(
+            f"model: {count_parameters(model.config):,} parameters "
+            f"({model.config.n_layer} layers, d_model {model.config.d_model}, "
+            f"vocab {model.config.vocab_size}) | {topology.describe()}"
+            f"{' + sequence parallel' if p.sequence_parallel else ''} | "
+            f"recompute {p.recompute} | "
+            f"{t.global_batch_size // (t.micro_batch_size * dp)} micro-batches per step | "
+            f"{data.description} | sequences of {window} tokens | device {env.device}",
+            flush=True,
+        )
+        tracker = Tracker(run_dir, config.tracking.wandb, resolved, t.steps, start_step)
+
+    history: list[dict[str, Any]] = []
+    evaluate_after = set(eval_steps(t.steps, t.eval_every))
+    tokens_per_step = t.global_batch_size * window
+    started = time.perf_counter()
+    stop = t.stop_at or t.steps
+    if start_step >= stop:
+        raise ConfigError(
+            f"the checkpoint {resume} is at step {start_step}, which already reaches "
+            f"train.steps (or stop_at) = {stop}; raise train.steps or set checkpoint.resume=none"
+        )
+    for step in range(start_step, stop):
+        tick = time.perf_counter()
+        lr = lr_at(step, t)
+        loss, grad_norm, skipped = train_step(engine, batches.next_step(), lr, env.device)
+        elapsed = time.perf_counter() - tick
+        metrics = {
+            "step": step + 1,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / elapsed,
+            "step_time_s": elapsed,
+        }
+        if skipped:
+            metrics["skipped"] = True  # fp16 overflow: no update, lower loss scale
+        if step + 1 in evaluate_after:
+            metrics["val_loss"] = evaluate(engine, val_set, topology.dp_group, env.device)
+        history.append(metrics)
+        if tracker is not None:
+            tracker.log(metrics)
+        every = config.checkpoint.every
+        if (every and (step + 1) % every == 0) or step + 1 == stop:
+            save_checkpoint(engine, config, step + 1, batches.consumed_samples, topology, tp)
+    total_time = time.perf_counter() - started
+    if stop < t.steps:
+        if tracker is not None:
+            tracker.finish()
+            print(f"stopped after step {stop} (train.stop_at); run again to resume", flush=True)
+        return history
+
+    sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
+    weights = engine.full_state_dict()  # every rank: gathers across TP and DP
+    if tracker is not None:
+        tracker.finish()
+        if config.init_from is not None:  # fine-tuned: a folder from_pretrained loads
+            write_hf_folder(run_dir / "hf", weights, model.config)
+            data.tokenizer.save_pretrained(str(run_dir / "hf"))
+            print(f"exported the fine-tuned model to {run_dir / 'hf'}", flush=True)
+        else:
+            save_file(weights, str(run_dir / "model.safetensors"))
+            data.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        if sample is not None:
+            print(
+                f"--- sample ({config.sample.tokens} tokens) ---\n{sample}\n--- end of sample ---"
+            )
+        print(summary_line(history, total_time, run_dir), flush=True)
+    return history
+
+
+def generate_sample(model: GPT, data: RunData, config: Config, env: DistributedEnv) -> str | None:
+    s = config.sample
+    if s.tokens == 0:
+        return None
+    prompt = data.tokenizer.encode(s.prompt, add_special_tokens=False) or [
+        data.tokenizer.eos_token_id or 0
+    ]
+    generator = torch.Generator(env.device).manual_seed(config.train.seed)
+    model.eval()
+    out = model.generate(
+        torch.tensor([prompt], device=env.device),
+        s.tokens,
+        s.temperature,
+        s.top_k,
+        generator=generator,
+    )
+    return data.tokenizer.decode(out[0].tolist())
+
+
+def summary_line(history: list[dict[str, Any]], total_time: float, run_dir: Path) -> str:
+    vals = [m["val_loss"] for m in history if "val_loss" in m]
+    speed = statistics.median(m["tokens_per_s"] for m in history)
+    parts = [f"done: {len(history)} steps in {total_time:.0f}s", f"loss {history[-1]['loss']:.4f}"]
+    if vals:
+        parts.append(f"val_loss {vals[0]:.4f} -> {vals[-1]:.4f} ({vals[-1] / vals[0] - 1:+.0%})")
+    parts += [f"{format_count(speed)} tokens/s (median)", f"run_dir {run_dir}"]
+    return " | ".join(parts)
