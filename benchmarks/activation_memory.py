@@ -22,12 +22,14 @@ Where our layer differs from the paper's count (all small at these sizes):
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybrid.distributed import init_distributed, shutdown
+from hybrid.memory import paper_layer_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.testing import run_processes
@@ -48,44 +50,57 @@ class Case:
 
 def formula_bytes(case: Case, s: int, b: int, h: int, a: int) -> float:
     """Korthikanti et al. 2022, Table 2 (per layer, 16-bit activations)."""
-    t, sbh = case.tp, s * b * h
-    attention = 5 * a * s / h
-    if case.recompute == "full":
-        return 2 * sbh / (t if case.sequence_parallel else 1)
-    if case.recompute == "selective":
-        attention = 0.0
-    if case.sequence_parallel:
-        return sbh / t * (34 + attention)
-    if t > 1:
-        return sbh * (10 + 24 / t + attention / t)
-    return sbh * (34 + attention)
+    return paper_layer_bytes(s, b, h, a, case.tp, case.sequence_parallel, case.recompute)
+
+
+def saved_bytes(model: GPT, ids: torch.Tensor) -> dict[str, int]:
+    """Bytes autograd saves for backward in one training forward of `model` on `ids`
+    (b, s + 1 tokens: inputs and targets), by part: `embedding`, `layers` (the transformer
+    blocks) and `output` (final norm, output layer, loss). Each storage is counted once,
+    in the part that saves it first; parameters are excluded."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, tuple[str, int]] = {}
+    part = ["embedding"]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters and storage.data_ptr() not in saved:
+            saved[storage.data_ptr()] = (part[0], storage.nbytes())
+        return tensor
+
+    def enter(name: str) -> Callable[..., None]:
+        return lambda module, args: part.__setitem__(0, name)
+
+    hooks = [
+        model.blocks[0].register_forward_pre_hook(enter("layers")),
+        model.ln_f.register_forward_pre_hook(enter("output")),
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids[:, :-1], ids[:, 1:])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    totals = dict.fromkeys(("embedding", "layers", "output"), 0)
+    for name, nbytes in saved.values():
+        totals[name] += nbytes
+    return totals
+
+
+def build(case: Case, config: GPTConfig, topology: Topology) -> GPT:
+    """The bf16 model of `case` in training mode on this rank."""
+    tp = TensorParallel.from_topology(topology, seed=0, sequence_parallel=case.sequence_parallel)
+    policy = RecomputePolicy(Recompute(case.recompute))
+    return GPT(config, tp, policy, seed=0).to(torch.bfloat16).train()
 
 
 def measure(case: Case, config: GPTConfig, batch: int) -> int:
     """Bytes saved for backward by this rank's layers (not embeddings, not the loss)."""
     env = init_distributed()
     try:
-        topology = Topology.build(case.tp)
-        tp = TensorParallel.from_topology(
-            topology, seed=0, sequence_parallel=case.sequence_parallel
-        )
-        policy = RecomputePolicy(Recompute(case.recompute))
-        model = GPT(config, tp, policy, seed=0).to(torch.bfloat16).train()
-        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        ids = torch.randint(0, config.vocab_size, (batch, config.seq_len))
-        x = model._embed(ids.t())
-        saved: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in parameters:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for block in model.blocks:
-                x = block(x)
-        return sum(saved.values())
+        model = build(case, config, Topology.build(case.tp))
+        ids = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1))
+        return saved_bytes(model, ids)["layers"]
     finally:
         shutdown(env)
 

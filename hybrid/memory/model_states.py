@@ -1,19 +1,31 @@
-"""The ZeRO paper's model-state and communication accounting (arXiv 1910.02054).
+"""Model-state bytes per GPU under ZeRO, from the paper's formulas and, exactly, from the
+engine's bucket layout (hybrid.engine, hybrid.zero.bucket).
 
-Per GPU, for Psi parameters (this TP rank's count), N data-parallel ranks, parameters and
-gradients of `param_bytes` each and K bytes of optimizer state per parameter (mixed-
-precision Adam: fp32 master, momentum, variance: K = 12), section 5.1 and Figure 1:
+The paper (Rajbhandari et al. 2020, arXiv 1910.02054, section 5.1 and Figure 1), for Psi
+parameters (this TP rank's count), N data-parallel ranks, parameters and gradients of
+`param_bytes` each and K bytes of optimizer state per parameter (mixed-precision Adam:
+fp32 master, momentum, variance: K = 12):
   stage 0: (2 + 2 + K) Psi      stage 1: 2 Psi + 2 Psi + K Psi / N
   stage 2: 2 Psi + (2 + K) Psi / N      stage 3: (2 + 2 + K) Psi / N
-(with 2 standing for `param_bytes`). Data-parallel traffic per step (section 7): stages 0-2
-move 2 Psi elements (a reduce-scatter and an all-gather, or an all-reduce), stage 3 3 Psi
-(the parameters are gathered for forward and again for backward), each collective of S
-bytes moving S (N - 1) / N per rank in a ring.
+(with 2 standing for `param_bytes`).
+
+The engine adds what the paper rounds away: every bucket is padded to a multiple of N so
+the shards are equal (reduce-scatter and all-gather need that), and it holds transient
+communication buffers during backward. `zero_state_bytes` replays both from the sizes of
+the model's own parameters (bucket 0) and of its units (transformer layers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from ..zero.bucket import group_units, max_bucket_numel
+
 ADAM_MIXED_K = 12
+# Element bytes of parameters and gradients, and optimizer bytes per parameter, by
+# precision. In fp32 the master weights are the parameters themselves (hybrid.zero.state),
+# so only Adam's two moments remain: K = 8.
+PRECISION_BYTES = {"bf16": (2, ADAM_MIXED_K), "fp16": (2, ADAM_MIXED_K), "fp32": (4, 8)}
 
 
 def model_state_bytes(
@@ -30,7 +42,88 @@ def model_state_bytes(
     }
 
 
-def dp_traffic_bytes(stage: int, psi: int, dp: int, param_bytes: int = 2) -> float:
-    """Bytes one rank sends per step over the data-parallel group with ring collectives."""
-    passes = 3 if stage == 3 else 2
-    return passes * param_bytes * psi * (dp - 1) / dp
+def precision_bytes(precision: str) -> tuple[int, int]:
+    """(bytes per parameter or gradient element, optimizer bytes per parameter K)."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision={precision!r} must be one of {list(PRECISION_BYTES)}")
+    return PRECISION_BYTES[precision]
+
+
+def bucket_numels(
+    root: int, units: Sequence[int], stage: int, dp: int, precision: str, bucket_mb: float
+) -> list[int]:
+    """Padded element count of each bucket the engine builds: bucket 0 the model's own
+    parameters, then the units grouped by the engine's rule (hybrid.zero.bucket), each
+    rounded up to a multiple of dp at stages 1-3 (stage 0 shards nothing: no padding)."""
+    element, _ = precision_bytes(precision)
+    groups = group_units(units, max_bucket_numel(stage, bucket_mb, element))
+    sizes = [root] + [sum(units[i] for i in group) for group in groups]
+    ranks = dp if stage >= 1 else 1
+    return [-(-n // ranks) * ranks for n in sizes]
+
+
+def zero_state_bytes(
+    root: int,
+    units: Sequence[int],
+    stage: int,
+    dp: int,
+    precision: str = "bf16",
+    bucket_mb: float = 25.0,
+) -> dict[str, int]:
+    """What `Engine.model_state_bytes()` reports on every rank, to the byte: parameters,
+    gradients (when backward ends), optimizer states, and the peak of transient
+    communication buffers; plus the padding elements, for the record."""
+    element, k = precision_bytes(precision)
+    numels = bucket_numels(root, units, stage, dp, precision, bucket_mb)
+    padded = sum(numels)
+    states = model_state_bytes(stage, padded, dp, element, k)
+    result = {name: int(value) for name, value in states.items()}
+    result["buffers"] = buffer_bytes(numels, stage, dp, element)
+    result["padding"] = padded - root - sum(units)
+    return result
+
+
+def buffer_bytes(numels: Sequence[int], stage: int, dp: int, element: int) -> int:
+    """Peak bytes of the engine's transient communication buffers in one backward.
+
+    The engine issues each bucket's reduction from gradient hooks as soon as the bucket
+    is complete and waits for all of them when backward ends, so every buffer it issues
+    stays alive until then:
+    - stage 0: the all-reduce works in the persistent gradient buffer: nothing extra;
+    - stage 1: the reduce-scatter output (this rank's shard) of every bucket;
+    - stage 2: every bucket's full gradient buffer (filled by the hooks, freed only once
+      reduced) and its reduce-scatter output: (1 + 1/N) full gradients at the end;
+    - stage 3: the same, plus the gathered parameters, replayed event by event.
+    Bucket 0 (embeddings, final norm) completes last: the token embedding's gradient is
+    the last to arrive.
+    """
+    shards = [n // dp for n in numels]
+    if stage == 0:
+        return 0
+    if stage == 1:
+        return element * sum(shards)
+    if stage == 2:
+        return element * (sum(numels) + sum(shards))
+    return element * _stage3_peak(numels, shards)
+
+
+def _stage3_peak(numels: Sequence[int], shards: Sequence[int]) -> int:
+    """Replays the moments the engine measures (hybrid.engine._note_buffers) in backward.
+
+    Backward starts with bucket 0 gathered and the last unit prefetched (a hook on the
+    loss); the final norm's gradient opens bucket 0's gradient buffer. Then, for each unit
+    k from the last: its gradient hook gathers k and prefetches k - 1; its first gradient
+    opens its buffer; when complete it is reduce-scattered and freed. Bucket 0 ends it.
+    (Forward holds at most bucket 0 and two units: never more than backward does.)
+    """
+    n = len(numels) - 1
+    flats, outs, peak = numels[0], 0, 0
+    gathered = numels[0] + (numels[n] if n else 0)
+    peak = flats + gathered
+    for k in range(n, 0, -1):
+        following = numels[k - 1] if k > 1 else 0
+        flats += numels[k]
+        peak = max(peak, flats + outs + numels[0] + numels[k] + following)
+        outs += shards[k]
+        peak = max(peak, flats + outs + numels[0] + following)
+    return max(peak, flats + outs + shards[0])

@@ -16,6 +16,7 @@ Padding, zero and gradient-free, joins the last segment.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,3 +121,26 @@ class FlatBucket:
             if start < end:
                 out.append((i, start - offset, end - offset, start - self.shard_start))
         return out
+
+
+def max_bucket_numel(stage: int, bucket_mb: float, element_size: int) -> int | None:
+    """The most elements consecutive units may share in one bucket: `bucket_mb` MiB at
+    stages 0-2 (few, large collectives); None at stage 3, which gathers unit by unit."""
+    return None if stage == 3 else int(bucket_mb * 2**20 / element_size)
+
+
+def group_units(unit_numels: Sequence[int], max_numel: int | None) -> list[list[int]]:
+    """Indices of the units in each unit bucket: one unit per bucket, or, with `max_numel`,
+    consecutive units together while their total fits (a unit larger than the cap gets a
+    bucket of its own). The engine lays out its buckets by this rule and the planner
+    (hybrid.memory) predicts their padding by it, so both agree to the element."""
+    groups: list[list[int]] = []
+    size = 0
+    for index, numel in enumerate(unit_numels):
+        if max_numel is not None and groups and size + numel <= max_numel:
+            groups[-1].append(index)
+            size += numel
+        else:
+            groups.append([index])
+            size = numel
+    return groups

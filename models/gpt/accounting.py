@@ -1,6 +1,13 @@
-"""Closed-form parameter and FLOP counts for the GPT in `model.py`."""
+"""Closed-form parameter and FLOP counts for the GPT in `model.py`, and the numbers the
+planner (hybrid.memory) takes: parameters per tensor-parallel rank, the shape that sets
+activation memory, the FLOPs recomputation adds."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybrid.memory import RankParameters, TransformerShape
 
 from .config import GPTConfig
 
@@ -39,6 +46,69 @@ def flops_per_token(config: GPTConfig, full_recompute: bool = False) -> float:
     logits_forward = 2 * vocab * h
     passes = 4 if full_recompute else 3
     return passes * layer_forward + 3 * logits_forward
+
+
+def rank_parameters(config: GPTConfig, tp: int) -> RankParameters:
+    """Parameters one of `tp` ranks holds, exactly as `GPT(config, tp)` builds them: the
+    vocabulary tables keep ceil(V/tp) rows each (padded locally, models/gpt/model.py);
+    QKV, the MLP input and their biases are split by output features, the attention and
+    MLP output matrices by input features; norms, the output biases (added once, after the
+    reduction) and the position table are replicated. The shapes must divide by tp
+    (`check_tp_shapes`)."""
+    h = config.d_model
+    local_vocab = -(-_vocab(config) // tp)
+    qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
+    mlp_inputs = 2 if config.mlp == "swiglu" else 1
+    split = h * qkv + config.n_head * config.head_dim * h + (mlp_inputs + 1) * h * config.ffn_dim
+    split_biases = (qkv + mlp_inputs * config.ffn_dim) if config.bias else 0
+    layer_replicated = 2 * _norm(config) + (2 * h if config.bias else 0)
+    layer = (split + split_biases) // tp + layer_replicated
+    root_replicated = _norm(config) + (config.seq_len * h if config.positions == "learned" else 0)
+    tables = 1 if config.tie_embeddings else 2
+    root = tables * local_vocab * h + root_replicated
+    return RankParameters(
+        root=root,
+        units=(layer,) * config.n_layer,
+        replicated=root_replicated + config.n_layer * layer_replicated,
+        total=count_parameters(config),
+    )
+
+
+def transformer_shape(config: GPTConfig, seq_len: int | None = None) -> TransformerShape:
+    """The dimensions activation memory and TP traffic depend on; `seq_len` is the
+    training window (train.seq_len) when shorter than the model's."""
+    return TransformerShape(
+        layers=config.n_layer,
+        hidden=config.d_model,
+        heads=config.n_head,
+        kv_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        ffn=config.ffn_dim,
+        gated_mlp=config.mlp == "swiglu",
+        vocab=_vocab(config),
+        seq_len=seq_len or config.seq_len,
+        dropout=config.dropout > 0,
+    )
+
+
+def recompute_flops_per_token(config: GPTConfig, mode: str, every: int = 1) -> float:
+    """FLOPs per token that recomputation adds to a training step. Full: the forward of
+    every recomputed layer once more (Narayanan et al. 2021: 96 instead of 72 B s l h^2);
+    with `every` = k only ceil(l/k) layers are. Selective (Korthikanti et al. 2022,
+    section 5): the attention core's forward, 4 h s per layer (QK^T and the product with
+    V), no GEMM of the weights."""
+    if mode == "full":
+        share = math.ceil(config.n_layer / every) / config.n_layer
+        return share * (flops_per_token(config, True) - flops_per_token(config))
+    if mode == "selective":
+        return 4 * config.n_layer * config.d_model * config.seq_len
+    return 0.0
+
+
+def with_seq_len(config: GPTConfig, seq_len: int | None) -> GPTConfig:
+    """The config whose FLOPs match a training window `seq_len` (the parameters keep the
+    model's position table; only attention's s changes)."""
+    return config if seq_len is None else dataclasses.replace(config, seq_len=seq_len)
 
 
 def _layer_matrices(config: GPTConfig) -> int:

@@ -1,0 +1,67 @@
+"""The planner: what fits where. Bytes per GPU and bytes sent per step for a model (given
+as generic numbers: parameters per TP rank, a transformer's shape) on a parallel layout.
+
+- model_states: ZeRO's model-state formulas (arXiv 1910.02054) and, exactly, the engine's
+  padded buckets and transient communication buffers;
+- activations: Korthikanti et al. 2022 (arXiv 2205.05198) per layer, with TP, sequence
+  parallelism and recomputation, plus embedding, output and loss;
+- communication: DP (ZeRO section 7) and TP (Megatron-LM) volumes per step;
+- planner: Layout, Hardware, RankParameters, plan() -> Plan (with a step-time estimate);
+- units: sizes with units (32GiB, 80GB, 25GB/s, 175B).
+The GPT-specific numbers (parameter counts per rank from a GPTConfig) are in
+models/gpt/accounting.py; the command line is launch/plan.py.
+"""
+
+from .activations import (
+    RECOMPUTE_MODES,
+    TransformerShape,
+    activation_bytes,
+    layer_bytes,
+    paper_layer_bytes,
+    stored_activation_bytes,
+)
+from .communication import dp_traffic_bytes, tp_traffic_bytes
+from .model_states import (
+    ADAM_MIXED_K,
+    bucket_numels,
+    buffer_bytes,
+    model_state_bytes,
+    precision_bytes,
+    zero_state_bytes,
+)
+from .planner import Hardware, Layout, Plan, RankParameters, plan, step_time
+from .units import (
+    format_count,
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+    unit_bytes,
+)
+
+__all__ = [
+    "ADAM_MIXED_K",
+    "RECOMPUTE_MODES",
+    "Hardware",
+    "Layout",
+    "Plan",
+    "RankParameters",
+    "TransformerShape",
+    "activation_bytes",
+    "bucket_numels",
+    "buffer_bytes",
+    "dp_traffic_bytes",
+    "format_count",
+    "layer_bytes",
+    "model_state_bytes",
+    "paper_layer_bytes",
+    "parse_bandwidth",
+    "parse_bytes",
+    "parse_count",
+    "plan",
+    "precision_bytes",
+    "step_time",
+    "stored_activation_bytes",
+    "tp_traffic_bytes",
+    "unit_bytes",
+    "zero_state_bytes",
+]

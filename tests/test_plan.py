@@ -1,0 +1,337 @@
+"""The planner (hybrid.memory, launch.plan) against the ZeRO paper, the engine's own
+accounting, the bytes autograd saves and the bytes the collectives send.
+
+- The ZeRO paper's Figure 1 and Table 1, to their printed precision, through
+  `launch.plan --json --params N`.
+- Three small models at tp 1/2 x dp 1/2/4, every ZeRO stage, two micro-batches per step:
+  parameters, gradients, optimizer states and the peak communication buffers equal
+  `Engine.model_state_bytes()` to the byte (padding included), and the bytes sent over DP
+  and TP equal the collective counters.
+- Activations saved for backward within 15% of the prediction for every recompute mode,
+  with and without sequence parallelism and dropout (measured: within about 1%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from contextlib import redirect_stdout
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+from plan_cases import (
+    ACTIVATION_BATCH,
+    ACTIVATION_MODEL,
+    BUCKET_MB,
+    MICRO_BATCH,
+    MICRO_BATCHES,
+    MODELS,
+    measure_all,
+)
+
+from hybrid.comm import VirtualGroup
+from hybrid.engine import build_buckets
+from hybrid.memory import (
+    Layout,
+    TransformerShape,
+    activation_bytes,
+    bucket_numels,
+    layer_bytes,
+    paper_layer_bytes,
+    parse_bytes,
+    parse_count,
+    plan,
+    precision_bytes,
+    stored_activation_bytes,
+)
+from hybrid.tensor_parallel import TensorParallel, TPRandom
+from hybrid.testing import run_processes
+from hybrid.zero.bucket import max_bucket_numel
+from launch.config import PRESET_DIR, load_config
+from launch.plan import GPT2_TOKENS, main
+from models.gpt import GPT, count_parameters, pad_vocab_size
+from models.gpt.accounting import rank_parameters, transformer_shape
+
+
+def run_plan(args: list[str]) -> dict:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([*args, "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def printed(value: float, text: str) -> bool:
+    """`value` as the paper prints it: rounded (41.25 -> 41.3) or, as its integer entries
+    for the large models are, truncated (4187.5 -> 4187), to the digits of `text`."""
+    digits = Decimal(text)
+    step = Decimal(1).scaleb(digits.as_tuple().exponent)
+    exact = Decimal(repr(value))
+    return digits in (exact.quantize(step, ROUND_HALF_UP), exact.quantize(step, ROUND_DOWN))
+
+
+# ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054), Table 1: GB per device of model states
+# (K = 12) for Pos, Pos+g, Pos+g+p (stages 1, 2, 3) at each DP degree.
+TABLE_1 = {
+    "7.5e9": {
+        1: ("120", "120", "120"),
+        4: ("52.5", "41.3", "30"),
+        16: ("35.6", "21.6", "7.5"),
+        64: ("31.4", "16.6", "1.88"),
+        256: ("30.4", "15.4", "0.47"),
+        1024: ("30.1", "15.1", "0.12"),
+    },
+    "128e9": {
+        1: ("2048", "2048", "2048"),
+        4: ("896", "704", "512"),
+        16: ("608", "368", "128"),
+        64: ("536", "284", "32"),
+        256: ("518", "263", "8"),
+        1024: ("513", "257", "2"),
+    },
+    "1e12": {
+        1: ("16000", "16000", "16000"),
+        4: ("7000", "5500", "4000"),
+        16: ("4750", "2875", "1000"),
+        64: ("4187", "2218", "250"),
+        256: ("4046", "2054", "62.5"),
+        1024: ("4011", "2013", "15.6"),
+    },
+}
+
+
+FIGURE_1 = ("120", "31.4", "16.6", "1.9")  # 7.5B on 64 GPUs, stages 0-3 (Figure 1)
+
+
+def test_zero_paper_figure_1_and_table_1() -> None:
+    for stage, text in enumerate(FIGURE_1):
+        report = run_plan(["--params", "7.5e9", "--gpus", "64", "--zero-stage", str(stage)])
+        assert printed(report["memory"]["model_states"] / 1e9, text), (stage, text)
+    for params, rows in TABLE_1.items():
+        for dp, texts in rows.items():
+            for stage, text in zip((1, 2, 3), texts, strict=True):
+                args = ["--params", params, "--gpus", str(dp), "--zero-stage", str(stage)]
+                gb = run_plan(args)["memory"]["model_states"] / 1e9
+                assert printed(gb, text), (params, dp, stage, gb, text)
+
+
+# ---- against measurement ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """Rank 0's measurements of every layout (one 4-rank spawn serves dp 1, 2 and 4)."""
+    return run_processes(measure_all, 4, timeout_s=300)[0]
+
+
+def predict(step: dict) -> tuple[dict, int]:
+    config, precision = MODELS[step["model"]]
+    tp, dp = step["tp"], step["dp"]
+    layout = Layout(
+        gpus=tp * dp,
+        tp=tp,
+        zero_stage=step["stage"],
+        sequence_parallel=step["sp"],
+        recompute=step["recompute"],
+        micro_batch=MICRO_BATCH,
+        global_batch=MICRO_BATCH * MICRO_BATCHES * dp,
+        precision=precision,
+        bucket_mb=BUCKET_MB,
+    )
+    result = plan(layout, rank_parameters(config, tp), transformer_shape(config))
+    return dataclasses.asdict(result), precision_bytes(precision)[0]
+
+
+def test_model_states_and_buffers_equal_the_engine(measured: dict) -> None:
+    layouts = {(s["tp"], s["dp"]) for s in measured["steps"]}
+    assert layouts == {(1, 1), (1, 2), (2, 1), (1, 4), (2, 2)}
+    assert any(s["padding"] for s in measured["steps"])  # padding is exercised
+    for step in measured["steps"]:
+        predicted, _ = predict(step)
+        engine = step["bytes"]
+        for key in ("parameters", "gradients", "optimizer"):
+            assert predicted["memory"][key] == engine[key], (step, key)
+        assert predicted["memory"]["buffers"] == engine["buffers"], step
+        assert predicted["padding"] == step["padding"], step
+
+
+def test_communication_equals_the_collective_counters(measured: dict) -> None:
+    for step in measured["steps"]:
+        predicted, element = predict(step)
+        dp = step["dp"]
+        norm = 2 * 16 * (dp - 1) / dp if step["stage"] >= 1 else 0  # the global grad norm
+        assert step["dp_moved"] == pytest.approx(predicted["communication"]["dp_bytes"] + norm)
+        # Under SP a bucket's padding is all-reduced over TP when it ends a replicated range;
+        # the engine's scalar all-reduces (gradient norm, flags) may change by a few bytes.
+        slack = 2 * element * step["padding"] * MICRO_BATCHES if step["sp"] else 0
+        error = abs(step["tp_moved"] - predicted["communication"]["tp_bytes"])
+        assert error <= slack + 64, step
+
+
+def test_activations_within_15_percent_of_saved_bytes(measured: dict) -> None:
+    cases = measured["activations"]
+    assert {(a["case"]["recompute"], a["case"]["tp"]) for a in cases} == {
+        (mode, tp) for mode in ("none", "selective", "full") for tp in (1, 2)
+    }
+    for a in cases:
+        case = a["case"]
+        config = dataclasses.replace(ACTIVATION_MODEL, dropout=a["dropout"])
+        parts = activation_bytes(
+            transformer_shape(config),
+            ACTIVATION_BATCH,
+            case["tp"],
+            case["sequence_parallel"],
+            case["recompute"],
+            element=2,
+        )
+        total = a["embedding"] + a["layers"] + a["output"]
+        assert total == pytest.approx(stored_activation_bytes(parts), rel=0.15), a
+        assert a["layers"] == pytest.approx(parts["layers"], rel=0.15), a
+
+
+# ---- formulas and layout --------------------------------------------------------------------
+
+
+def test_layer_formula_reduces_to_korthikanti_table_2() -> None:
+    """With 16-bit activations, d = h/a, f = 4h and dropout, our per-tensor count is the
+    paper's sbh(10 + 24/t + 5as/(ht)) (and its SP and recompute variants), plus the causal
+    mask our explicit attention keeps (s^2 bytes)."""
+    s, b, h, a = 2048, 1, 12288, 96
+    shape = TransformerShape(96, h, a, a, h // a, 4 * h, False, 51200, s, dropout=True)
+    for t, sp in ((1, False), (8, False), (8, True)):
+        for mode in ("none", "selective", "full"):
+            ours = layer_bytes(shape, b, t, sp, mode, element=2)
+            mask = s * s if mode == "none" else 0
+            assert ours == paper_layer_bytes(s, b, h, a, t, sp, mode) + mask
+
+
+def test_closed_form_buckets_equal_the_meta_model() -> None:
+    """Parameters per TP rank and the padded buckets, from the config alone, equal the
+    model built on the meta device and laid out by the engine's own build_buckets."""
+    turing = load_config(PRESET_DIR / "turing-nlg-17b.yaml").model
+    turing = dataclasses.replace(turing, vocab_size=pad_vocab_size(GPT2_TOKENS))
+    llama, _ = MODELS["llama"]
+    for config, tp in ((turing, 4), (llama, 2)):
+        tp_rank = tp - 1
+        group = VirtualGroup("tp", tp, tp_rank)
+        model = GPT(
+            config, TensorParallel(group, False, TPRandom(0, tp_rank, "cpu")), device="meta"
+        )
+        params = rank_parameters(config, tp)
+        units = tuple(sum(p.numel() for p in block.parameters()) for block in model.blocks)
+        assert units == params.units
+        assert sum(p.numel() for p in model.parameters()) == params.psi
+        for stage, dp in ((0, 64), (1, 64), (2, 3), (3, 64)):
+            cap = max_bucket_numel(stage, 25.0, 2)
+            buckets = build_buckets(model, list(model.blocks), dp if stage else 1, 0, cap)
+            predicted = bucket_numels(params.root, params.units, stage, dp, "bf16", 25.0)
+            assert [b.numel for b in buckets] == predicted
+
+
+PAPER_SIZES = {  # parameters as the papers give them (GPT-2 as since corrected)
+    "gpt2-124m": 124e6,
+    "gpt2-355m": 355e6,
+    "gpt2-774m": 774e6,
+    "gpt2-1.5b": 1.558e9,
+    "megatron-1.2b": 1.2e9,
+    "megatron-2.5b": 2.5e9,
+    "megatron-4.2b": 4.2e9,
+    "megatron-8.3b": 8.3e9,
+    "turing-nlg-17b": 17.2e9,
+    "gpt3-175b": 175e9,
+    "korthikanti-22b": 22e9,
+    "korthikanti-175b": 175e9,
+    "korthikanti-530b": 530e9,
+    "korthikanti-1t": 1e12,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_SIZES))
+def test_presets_have_their_papers_sizes(name: str) -> None:
+    config = load_config(PRESET_DIR / f"{name}.yaml").model
+    if config.vocab_size is None:
+        config = dataclasses.replace(config, vocab_size=pad_vocab_size(GPT2_TOKENS))
+    assert count_parameters(config) == pytest.approx(PAPER_SIZES[name], rel=0.015)
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+TURING = ["--config", "configs/turing-nlg-17b.yaml", "--gpus", "256", "--gpu-memory", "32GiB"]
+
+
+def test_turing_nlg_17b_at_tp4_fits_and_search_finds_it(capsys: pytest.CaptureFixture) -> None:
+    assert main([*TURING, "--tp", "4"]) == 0
+    text = capsys.readouterr().out
+    for line in ("parameters", "optimizer states", "activations", "communication buffers"):
+        assert line in text
+    assert "fits in 32.00 GiB" in text and "dp 64 x tp 4" in text and "per step" in text
+    report = run_plan([*TURING, "--tp", "4"])
+    assert report["fits"] and report["layout"]["dp"] == 64
+    assert report["memory"]["total"] < 32 * 2**30 and report["time"]["step_s"] > 0
+
+    found = run_plan([*TURING, "--search"])
+    assert found and all(p["fits"] for p in found)
+    steps = [p["time"]["step_s"] for p in found]
+    assert steps == sorted(steps)
+    assert {p["layout"]["tp"] for p in found} <= {1, 2, 4}  # 28 heads: tp 7, 14, 28 no (256)
+    assert any(p["layout"]["tp"] == 4 for p in found)
+    assert main([*TURING, "--search", "--top", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "layouts of 256 GPUs fit in 32.00 GiB" in table and "(--top)" in table
+
+
+def test_plot(tmp_path: Path) -> None:
+    out = tmp_path / "zero.png"
+    assert main(["--params", "7.5e9", "--gpus", "1024", "--plot", str(out), "--json"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpus", "250", "--tp", "4"], "--gpus 250 is not divisible by tp=4"),
+        (["--gpus", "256", "--tp", "8"], "n_head=28 is not divisible by tp=8"),
+        (["--gpus", "256", "--gpu-memory", "32"], "has no unit; write 32GiB"),
+        (["--gpus", "256", "--global-batch", "100"], "global batch 100 is not a multiple"),
+        (["--gpus", "256", "--tp", "1", "--sequence-parallel"], "sequence parallelism needs"),
+        (["--gpus", "256", "--search"], "--search needs --gpu-memory"),
+    ],
+)
+def test_bad_input_is_one_line_error(
+    args: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["--config", "turing-nlg-17b", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_unknown_preset_names_the_presets(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--config", "turing-17b", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset or config file 'turing-17b'" in err and "turing-nlg-17b" in err
+
+
+def test_sizes_parse_with_units() -> None:
+    assert parse_bytes("32GiB") == 32 * 2**30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("1.5TiB") == 3 * 2**39
+    assert parse_count("7.5e9") == 7_500_000_000 and parse_count("175B") == 175 * 10**9
+    for bad in ("32", "32 parsecs", "lots"):
+        with pytest.raises(ValueError, match="GiB"):
+            parse_bytes(bad)
+
+
+def test_step_time_counts_recomputation_and_zero_3_traffic() -> None:
+    """Full recomputation adds a forward of the layers (almost 4/3 of the compute: the
+    logits are not recomputed); with one micro-batch per step ZeRO-3 sends 3 Psi over DP
+    where stage 1 sends 2 Psi (ZeRO section 7)."""
+    report = {}
+    for stage, mode in ((1, "none"), (1, "full"), (3, "none")):
+        args = ["--config", "gpt2-1.5b", "--gpus", "64", "--tp", "1", "--micro-batch", "8"]
+        report[stage, mode] = run_plan([*args, "--zero-stage", str(stage), "--recompute", mode])
+    ratio = report[1, "full"]["time"]["compute_s"] / report[1, "none"]["time"]["compute_s"]
+    assert 1.25 < ratio < 4 / 3
+    assert report[1, "none"]["layout"]["micro_batches"] == 1
+    stage1, stage3 = (report[s, "none"]["communication"]["dp_bytes"] for s in (1, 3))
+    assert stage3 / stage1 == pytest.approx(3 / 2, rel=1e-12)
