@@ -82,15 +82,16 @@ def is_complete(path: Path) -> bool:
     return (path / ".metadata").is_file() and (path / STATE_FILE).is_file()
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+
+
 def find_latest(root: Path) -> Path | None:
-    """The checkpoint `latest` names if complete, else the newest complete one."""
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if is_complete(named):
-            return named
-    complete = [p for p in root.glob("step_*") if p.is_dir() and is_complete(p)]
-    return max(complete, key=lambda p: p.name) if complete else None
+    """The newest complete checkpoint. `latest` moves only after the rename, so a crash in
+    between leaves it one checkpoint behind; the folders, not the pointer, decide."""
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
 
 
 def check_checkpoint(path: Path) -> dict[str, Any]:
@@ -181,7 +182,7 @@ def commit(root: Path, tmp: Path, step: int, state: dict[str, Any], keep: int) -
         shutil.rmtree(old, ignore_errors=True)
         _write_durably(root / f"{LATEST}.tmp", final.name)
         os.replace(root / f"{LATEST}.tmp", root / LATEST)
-        complete = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+        complete = complete_checkpoints(root)
         for old in complete[: max(0, len(complete) - keep)]:
             shutil.rmtree(old)
     barrier()

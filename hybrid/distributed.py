@@ -46,12 +46,36 @@ def init_distributed(timeout_s: float = 600.0) -> DistributedEnv:
         device, backend = torch.device("cpu"), "gloo"
     if world_size == 1:
         return DistributedEnv(0, 0, 1, device, None)
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        store=_attempt_store(rank, world_size, timeout),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
     return DistributedEnv(rank, local_rank, world_size, device, backend)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, its keys prefixed by torchrun's restart count.
+
+    After a failure, `torchrun --max-restarts` starts new workers against the same store
+    (torch 2.13, --standalone), where the dead attempt's keys are still set: gloo would
+    read a dead rank's address and fail with "connection refused". A prefix per attempt
+    keeps each attempt's rendezvous apart.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"hybrid/attempt_{attempt}", store)
 
 
 def barrier(env: DistributedEnv) -> None:

@@ -24,6 +24,7 @@ backward, so communication overlaps the rest of backward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from torch import nn
 from .comm import Handle
 from .tensor_parallel import TensorParallel, named_full_tensors, parameter_shards
 from .topology import Topology
-from .zero.bucket import FlatBucket
+from .zero.bucket import FlatBucket, group_units, max_bucket_numel
 from .zero.gather import ParameterGatherer
 from .zero.state import materialise, replace_meta_parameters
 
@@ -78,16 +79,10 @@ def build_buckets(
     split = set(parameter_shards(model))
     in_units = {id(p) for unit in units for p in unit.parameters()}
     groups = [[(names[id(p)], p) for p in model.parameters() if id(p) not in in_units]]
-    size = None
-    for unit in units:
-        params = [(names[id(p)], p) for p in unit.parameters()]
-        numel = sum(p.numel() for _, p in params)
-        if max_numel is not None and size is not None and size + numel <= max_numel:
-            groups[-1] += params
-            size += numel
-        else:
-            groups.append(params)
-            size = numel
+    per_unit = [[(names[id(p)], p) for p in unit.parameters()] for unit in units]
+    numels = [sum(p.numel() for _, p in params) for params in per_unit]
+    for indices in group_units(numels, max_numel):
+        groups.append([item for i in indices for item in per_unit[i]])
     return [FlatBucket(g, split, dp_size, dp_rank) for g in groups]
 
 
@@ -121,7 +116,7 @@ class Engine:
         sharded = self.stage >= 1
         dp_size, dp_rank = (self.dp.size, self.dp.rank) if sharded else (1, 0)
         element = torch.tensor([], dtype=self.dtype).element_size()
-        max_numel = None if self.stage == 3 else int(config.bucket_mb * 2**20 / element)
+        max_numel = max_bucket_numel(self.stage, config.bucket_mb, element)
         self.buckets = build_buckets(model, units, dp_size, dp_rank, max_numel)
         model.to(self.dtype)  # buffers; parameters move into the buckets' flat tensors
         self.states = [materialise(model, b, self.stage, self.dtype, device) for b in self.buckets]
@@ -294,6 +289,12 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
             return StepStats(float("nan"), True, self.loss_scale)
         norm = self._grad_norm()
+        if not math.isfinite(norm):
+            # A NaN or inf gradient anywhere (the norm is reduced over DP and TP, so every
+            # rank sees it): no update, on every rank alike. The caller decides whether to
+            # go on (train.on_nonfinite).
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepStats(norm, True, self.loss_scale)
         if self.config.grad_clip > 0 and norm > self.config.grad_clip:
             torch._foreach_mul_(grads, self.config.grad_clip / (norm + 1e-6))
         for group in self.optimizer.param_groups:
@@ -335,7 +336,12 @@ class Engine:
                 squares[index] = norms.square().sum()
         if self.stage >= 1:
             self.dp.all_reduce(squares)
-        split_part = self.tp.group.all_reduce(squares[:1].clone())
+        # The replicated part is the same on every TP rank unless it is not finite on one:
+        # its non-finite flag rides along, so every rank returns the same (NaN) norm.
+        bad = (~torch.isfinite(squares[1:])).double()
+        split_part = self.tp.group.all_reduce(torch.cat([squares[:1], bad]))
+        if split_part[1] > 0:
+            return float("nan")
         return float((split_part[0] + squares[1]).sqrt())
 
     def publish_masters(self) -> None:

@@ -10,13 +10,14 @@ per-rank streams mean the same thing.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.checkpoint_files import CheckpointError, check_checkpoint, find_latest
+from hybrid.checkpoint_files import CheckpointError, check_checkpoint, complete_checkpoints
 from hybrid.engine import Engine
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
@@ -34,13 +35,34 @@ def resume_from(config: Config) -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
-        root = checkpoint_root(config)
-        return find_latest(root) if root.is_dir() else None
+        return _newest_loadable(checkpoint_root(config))
     try:
         check_checkpoint(Path(resume))
     except CheckpointError as error:
         raise ConfigError(f"checkpoint.resume: {error}") from None
     return Path(resume)
+
+
+def _newest_loadable(root: Path) -> Path | None:
+    """The newest complete checkpoint whose files check out; a damaged one (a shard
+    missing or truncated) is skipped with a warning. None when there is none at all; an
+    error when there are checkpoints but none loads, rather than silently starting over."""
+    candidates = complete_checkpoints(root) if root.is_dir() else []
+    problems = []
+    for candidate in reversed(candidates):
+        try:
+            check_checkpoint(candidate)
+        except CheckpointError as error:
+            print(f"warning: not resuming from {candidate}: {error}", file=sys.stderr)
+            problems.append(str(error))
+            continue
+        return candidate
+    if problems:
+        raise ConfigError(
+            f"no checkpoint in {root} can be loaded ({problems[0]}); repair it, or start "
+            "afresh with checkpoint.resume=none and another checkpoint.dir"
+        )
+    return None
 
 
 def restore(

@@ -12,13 +12,15 @@ import sys
 from collections.abc import Callable
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from hybrid.distributed import init_distributed, shutdown, world_size_from_env
 
 from .checkpointing import resume_from
 from .config import Config, ConfigError, validate_layout
 from .data.token_file import resolve_files
-from .data.tokenizers import load_tokenizer_folder
+from .data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
+from .preemption import NonFiniteLoss
 from .training import train
 
 
@@ -33,16 +35,36 @@ def check_before_start(config: Config, world_size: int) -> int:
     """Everything that can be checked without a process group; returns dp."""
     dp = validate_layout(config, world_size)
     try:
-        resolve_files(config.data.files)
-        if config.data.tokenizer not in ("gpt2", "bpe"):
-            load_tokenizer_folder(config.data.tokenizer)
+        paths = resolve_files(config.data.files)
+        for path in paths:
+            if path.stat().st_size == 0:
+                raise ValueError(f"data.files: {path} is empty; give files that hold text")
+        n_tokens = tokenizer_size(config)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(str(error)) from None
+    vocab = config.model.vocab_size
+    if vocab is not None and n_tokens > vocab:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {n_tokens} tokens "
+            f"(data.tokenizer={config.data.tokenizer}); remove model.vocab_size to size it "
+            "from the tokenizer, or use a smaller tokenizer"
+        )
     if config.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision=fp16 needs a CUDA device; use bf16 or fp32 on CPU")
     return dp
 
 
+def tokenizer_size(config: Config) -> int:
+    """How many ids the configured tokenizer can produce, without training or tokenizing:
+    GPT-2's 50257, the `bpe` vocabulary size, or the folder's tokenizer length."""
+    if config.data.tokenizer == "gpt2":
+        return len(gpt2_tokenizer())
+    if config.data.tokenizer == "bpe":
+        return config.data.bpe_vocab_size
+    return len(load_tokenizer_folder(config.data.tokenizer))
+
+
+@record  # torchrun reports the failing rank's traceback as the job's root cause
 def run(
     argv: list[str] | None,
     prog: str,
@@ -56,15 +78,27 @@ def run(
         dp = check_before_start(config, world_size_from_env())
         resume = resume_from(config)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     env = init_distributed(config.dist_timeout_s)
     try:
         train(config, env, dp, resume)
+        code = 0
     except ConfigError as error:  # found after start-up (e.g. the tokenizer's size): all ranks
         if env.is_main:
+            print(f"error: {one_line(error)}", file=sys.stderr)
+        code = 2
+    except NonFiniteLoss as error:  # every rank alike
+        if env.is_main:
             print(f"error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        shutdown(env)
-    return 0
+        code = error.exit_code
+    # Any other exception may be this rank's alone: it propagates without the shutdown
+    # barrier, which would wait forever for ranks stuck in a collective. The process exits,
+    # its peers' collectives fail on the closed connection, and torchrun ends the job.
+    shutdown(env)
+    return code
+
+
+def one_line(error: Exception) -> str:
+    """The message on one line: a library's multi-line message would read as a crash."""
+    return " ".join(str(error).split())

@@ -58,6 +58,9 @@ class TrainConfig:
     # Stop after this step, saving a checkpoint, as a preempted job would; the learning-rate
     # schedule still runs to `steps`, so resuming continues the same run.
     stop_at: int | None = None
+    # A NaN or inf loss or gradient: skip that update on every rank with a warning, or stop
+    # the job (exit code 3) without updating or saving.
+    on_nonfinite: Literal["skip", "stop"] = "skip"
 
 
 @dataclass
@@ -76,6 +79,7 @@ class WandbConfig:
     project: str = "hybrid"
     name: str | None = None  # default: the run folder's name
     entity: str | None = None
+    init_timeout_s: float = 60.0  # an unreachable server costs this much, then a warning
 
 
 @dataclass

@@ -91,7 +91,7 @@ def _start_wandb(config: WandbConfig, run_dir: Path, run_config: dict[str, Any])
             mode=config.mode,
             dir=str(run_dir),
             config=run_config,
-            settings=wandb.Settings(init_timeout=90, silent=True),
+            settings=wandb.Settings(init_timeout=config.init_timeout_s, silent=True),
         )
     except Exception as error:  # no network, bad key, service crash: warn and go on
         warnings.warn(f"W&B could not start ({error!r}); training goes on without it", stacklevel=2)

@@ -6,6 +6,7 @@ and write the result at the end.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from .data.examples import is_prompt_completion, read_examples
 from .data.sampler import Samples
 from .data.token_file import resolve_files
 from .optim import lr_at
+from .preemption import NonFiniteLoss, Preemption
 from .tracking import Tracker, format_count, rotate_old_metrics, truncate_metrics
 from .trainer import eval_steps, evaluate, train_step
 
@@ -192,8 +194,6 @@ def train(
         tracker = Tracker(run_dir, config.tracking.wandb, resolved, t.steps, start_step)
 
     history: list[dict[str, Any]] = []
-    evaluate_after = set(eval_steps(t.steps, t.eval_every))
-    tokens_per_step = t.global_batch_size * window
     started = time.perf_counter()
     stop = t.stop_at or t.steps
     if start_step >= stop:
@@ -201,34 +201,33 @@ def train(
             f"the checkpoint {resume} is at step {start_step}, which already reaches "
             f"train.steps (or stop_at) = {stop}; raise train.steps or set checkpoint.resume=none"
         )
-    for step in range(start_step, stop):
-        tick = time.perf_counter()
-        lr = lr_at(step, t)
-        loss, grad_norm, skipped = train_step(engine, batches.next_step(), lr, env.device)
-        elapsed = time.perf_counter() - tick
-        metrics = {
-            "step": step + 1,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_step / elapsed,
-            "step_time_s": elapsed,
-        }
-        if skipped:
-            metrics["skipped"] = True  # fp16 overflow: no update, lower loss scale
-        if step + 1 in evaluate_after:
-            metrics["val_loss"] = evaluate(engine, val_set, topology.dp_group, env.device)
-        history.append(metrics)
-        if tracker is not None:
-            tracker.log(metrics)
-        every = config.checkpoint.every
-        if (every and (step + 1) % every == 0) or step + 1 == stop:
-            save_checkpoint(engine, config, step + 1, batches.consumed_samples, topology, tp)
+    preemption = Preemption()
+    try:
+        finished = _loop(
+            engine,
+            config,
+            batches,
+            val_set,
+            topology,
+            tp,
+            tracker,
+            history,
+            range(start_step, stop),
+            preemption,
+            env,
+        )
+    finally:
+        preemption.uninstall()
     total_time = time.perf_counter() - started
-    if stop < t.steps:
+    if not finished or stop < t.steps:
         if tracker is not None:
             tracker.finish()
-            print(f"stopped after step {stop} (train.stop_at); run again to resume", flush=True)
+            why = "SIGTERM" if not finished else "train.stop_at"
+            print(
+                f"stopped after step {history[-1]['step']} ({why}) with a checkpoint; "
+                "run again to resume",
+                flush=True,
+            )
         return history
 
     sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
@@ -248,6 +247,64 @@ def train(
             )
         print(summary_line(history, total_time, run_dir), flush=True)
     return history
+
+
+def _loop(
+    engine: Engine,
+    config: Config,
+    batches: DistributedBatches,
+    val_set: list[Any],
+    topology: Topology,
+    tp: TensorParallel,
+    tracker: Tracker | None,
+    history: list[dict[str, Any]],
+    steps: range,
+    preemption: Preemption,
+    env: DistributedEnv,
+) -> bool:
+    """Train `steps`, appending each step's metrics to `history`; checkpoint every
+    `checkpoint.every` steps and after the last. False when SIGTERM stopped it early
+    (after a checkpoint of the step it finished)."""
+    t = config.train
+    evaluate_after = set(eval_steps(t.steps, t.eval_every))
+    tokens_per_step = t.global_batch_size * (t.seq_len or config.model.seq_len)
+    for step in steps:
+        tick = time.perf_counter()
+        lr = lr_at(step, t)
+        loss, grad_norm, skipped = train_step(engine, batches.next_step(), lr, env.device)
+        elapsed = time.perf_counter() - tick
+        metrics = {
+            "step": step + 1,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / elapsed,
+            "step_time_s": elapsed,
+        }
+        # fp16 overflows are routine (the loss scale halves); elsewhere a NaN or inf is not.
+        if t.precision != "fp16" and (skipped or not math.isfinite(loss)):
+            if t.on_nonfinite == "stop":
+                raise NonFiniteLoss(step + 1)
+            if env.is_main:
+                print(
+                    f"warning: step {step + 1}: NaN or inf loss or gradient; the update "
+                    "was skipped on every rank (train.on_nonfinite=skip)",
+                    flush=True,
+                )
+        if skipped:
+            metrics["skipped"] = True  # no update (fp16: and a lower loss scale)
+        if step + 1 in evaluate_after:
+            metrics["val_loss"] = evaluate(engine, val_set, topology.dp_group, env.device)
+        history.append(metrics)
+        if tracker is not None:
+            tracker.log(metrics)
+        every = config.checkpoint.every
+        preempted = preemption.requested(topology, env.device)
+        if (every and (step + 1) % every == 0) or step + 1 == steps.stop or preempted:
+            save_checkpoint(engine, config, step + 1, batches.consumed_samples, topology, tp)
+        if preempted:
+            return False
+    return True
 
 
 def generate_sample(model: GPT, data: RunData, config: Config, env: DistributedEnv) -> str | None:

@@ -23,7 +23,7 @@ from hybrid.tensor_parallel import TensorParallel
 from hybrid.testing import run_processes
 from hybrid.topology import Topology
 from launch.checkpointing import resume_from
-from launch.config import load_config, validate_layout
+from launch.config import ConfigError, load_config, validate_layout
 from launch.pretrain import train
 from models.gpt import GPT
 
@@ -158,3 +158,21 @@ def test_a_failed_save_keeps_the_last_good_checkpoint(
     assert {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()} == before
     monkeypatch.undo()
     load_checkpoint(_single_engine(2), find_latest(tmp_path))
+
+
+def test_auto_resume_skips_a_damaged_newest_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = _single_engine(1)
+    first = save_checkpoint(engine, tmp_path, 1, {"step": 1}, {}, keep=3)
+    second = save_checkpoint(engine, tmp_path, 2, {"step": 2}, {}, keep=3)
+    config = load_config(TINY_CONFIG, [f"checkpoint.dir={tmp_path}"])
+    assert resume_from(config) == second
+    for folder in (second, first):
+        shard = next(folder.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+        if folder == second:
+            assert resume_from(config) == first
+            assert f"not resuming from {second}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=f"no checkpoint in {tmp_path} can be loaded"):
+        resume_from(config)

@@ -138,3 +138,32 @@ def test_eval_set_is_fixed_and_split_without_overlap() -> None:
     parts = [eval_batches(windows, 10, 2, r, 2) for r in range(2)]
     starts = sorted(int(b[i, 0]) for part in parts for b in part for i in range(len(b)))
     assert starts == [8 * i for i in range(10)]
+
+
+@pytest.mark.parametrize("damage", ["altered", "truncated", "meta"])
+def test_a_corrupt_token_cache_is_rebuilt(damage: str, tmp_path: Path) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n\n" * 50)
+    built = build_token_file([corpus], gpt2_tokenizer(), "text", tmp_path / "cache")
+    good = np.array(built.open())
+    data = bytearray(built.path.read_bytes())
+    if damage == "altered":  # same size, one token changed
+        data[10] ^= 0xFF
+        built.path.write_bytes(bytes(data))
+    elif damage == "truncated":
+        built.path.write_bytes(bytes(data[:-6]))
+    else:
+        (built.path.parent / "meta.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="is corrupt: .*rebuilding it"):
+        again = build_token_file([corpus], gpt2_tokenizer(), "text", tmp_path / "cache")
+    assert np.array_equal(np.array(again.open()), good)
+
+
+def test_a_malformed_jsonl_line_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n{"text": "thr\n{"text": "four"}\n')
+    with pytest.raises(ValueError, match=f"{path}:3: not valid JSON"):
+        build_token_file([path], gpt2_tokenizer(), "text", tmp_path / "cache")
+    path.write_text('{"text": "one"}\n["a", "list"]\n')
+    with pytest.raises(ValueError, match=f"{path}:2: a record must be a JSON object"):
+        build_token_file([path], gpt2_tokenizer(), "text", tmp_path / "cache")

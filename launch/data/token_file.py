@@ -9,9 +9,11 @@ and renamed when complete: a crash mid-build leaves no half file behind.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from .tokenizers import ASSETS, tokenizer_fingerprint
 
 BUNDLED_CORPUS = ASSETS / "shakespeare.txt.gz"
-FORMAT_VERSION = "tokens-v2"
+FORMAT_VERSION = "tokens-v3"  # v3: meta.json records the SHA-256 of tokens.bin
 _TEXT_SUFFIXES = {".txt", ".text", ".md"}
 _JSON_SUFFIXES = {".jsonl", ".json"}
 
@@ -67,9 +69,13 @@ def iter_documents(paths: list[Path], text_field: str, cache_dir: Path) -> Itera
     for path in paths:
         kind = _file_format(path)
         options = {"sample_by": "paragraph"} if kind == "text" else {}
-        table = datasets.load_dataset(
-            kind, data_files=[str(path)], split="train", cache_dir=str(cache_dir / "hf"), **options
-        )
+        try:
+            table = datasets.load_dataset(
+                kind, data_files=[str(path)], split="train", cache_dir=str(cache_dir / "hf"),
+                **options,
+            )  # fmt: skip
+        except Exception as error:  # datasets' message names neither the file nor the line
+            raise ValueError(_unreadable(path, kind, error)) from None
         column = "text" if kind == "text" else text_field
         if column not in table.column_names:
             raise ValueError(
@@ -96,11 +102,9 @@ def build_token_file(
     ).hexdigest()[:20]
     folder = cache_dir / "tokens" / key
     meta_path = folder / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        token_file = TokenFile(folder / "tokens.bin", np.dtype(meta["dtype"]), meta["n_tokens"])
-        if token_file.path.is_file() and token_file.path.stat().st_size == meta["n_bytes"]:
-            return token_file
+    cached = _cached_token_file(folder)
+    if cached is not None:
+        return cached
     n_ids = len(tokenizer)
     dtype = np.dtype(np.uint16 if n_ids <= np.iinfo(np.uint16).max + 1 else np.uint32)
     pieces = list(_encode(paths, tokenizer, text_field, cache_dir, dtype))
@@ -115,12 +119,64 @@ def build_token_file(
         "dtype": dtype.name,
         "n_tokens": int(tokens.size),
         "n_bytes": int(tokens.nbytes),
+        "sha256": _sha256(folder / "tokens.bin"),
         "vocab": n_ids,
         "files": [str(p) for p in paths],
     }
     (folder / f"meta.json{suffix}").write_text(json.dumps(meta, indent=1))
     (folder / f"meta.json{suffix}").replace(meta_path)  # written last: marks the file complete
     return TokenFile(folder / "tokens.bin", dtype, int(tokens.size))
+
+
+def _unreadable(path: Path, kind: str, error: Exception) -> str:
+    """What is wrong with a file datasets could not read: for jsonl, the first line that
+    is not a JSON object."""
+    if kind == "json":
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as bad:
+                    return f"{path}:{number}: not valid JSON ({bad.msg}); fix or remove the line"
+                if not isinstance(record, dict):
+                    return f"{path}:{number}: a record must be a JSON object"
+    return f"{path}: not a readable {kind} file ({type(error).__name__}: {error})"
+
+
+def _cached_token_file(folder: Path) -> TokenFile | None:
+    """The cached token file if it is whole and unaltered (size and SHA-256 as recorded
+    when it was built); else None, after a warning, and the caller rebuilds it: the cache
+    is derived data, so rebuilding is always safe."""
+    meta_path, path = folder / "meta.json", folder / "tokens.bin"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        token_file = TokenFile(path, np.dtype(meta["dtype"]), int(meta["n_tokens"]))
+        problem = None
+        if not path.is_file():
+            problem = "tokens.bin is missing"
+        elif path.stat().st_size != meta["n_bytes"]:
+            problem = f"tokens.bin has {path.stat().st_size} bytes, not {meta['n_bytes']}"
+        elif _sha256(path) != meta["sha256"]:
+            problem = "tokens.bin does not match its recorded SHA-256"
+    except (ValueError, KeyError, TypeError) as error:
+        problem = f"meta.json is unreadable ({error})"
+    if problem is None:
+        return token_file
+    warnings.warn(f"token cache {folder} is corrupt: {problem}; rebuilding it", stacklevel=3)
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _encode(

@@ -24,9 +24,12 @@ END_OF_TEXT = "<|endoftext|>"
 
 def gpt2_tokenizer() -> PreTrainedTokenizerFast:
     """GPT-2's BPE built from the shipped vocab and merges: 'Hello world' -> [15496, 995]."""
-    bpe = Tokenizer(
-        models.BPE.from_file(str(GPT2_DIR / "vocab.json"), str(GPT2_DIR / "merges.txt"))
-    )
+    return byte_level_bpe(GPT2_DIR)
+
+
+def byte_level_bpe(folder: Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2's kind) from a folder's vocab.json and merges.txt."""
+    bpe = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     return _wrap(bpe)
@@ -69,6 +72,8 @@ def load_tokenizer_folder(folder: str | Path) -> PreTrainedTokenizerBase:
             f"data.tokenizer={str(folder)!r} is neither 'gpt2', 'bpe' nor an existing "
             "tokenizer folder (one with tokenizer.json, or vocab.json and merges.txt)"
         )
+    if not (folder / "tokenizer.json").is_file() and (folder / "merges.txt").is_file():
+        return byte_level_bpe(folder)  # GPT-2's original files, without a tokenizer.json
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
