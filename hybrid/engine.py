@@ -248,16 +248,27 @@ class Engine:
         if self.gatherer is not None:
             self.gatherer.free(k)
         self._note_buffers()
+        if self.stage >= 2:
+            # ZeRO-2's point is that full gradients never all exist at once (Rajbhandari
+            # et al. 5.2): wait for the reduction issued one bucket earlier (done by now,
+            # a layer's backward later) and free its full buffer, so at most two are in
+            # flight however many layers there are.
+            self._drain(keep=1)
 
-    def _finish_reductions(self) -> None:
-        for k, handle, out, _ in self._pending:
+    def _drain(self, keep: int) -> None:
+        """Wait for all but the newest `keep` pending reductions, oldest first, and fold
+        each output into its bucket's gradient shard (summed over micro-batches at 2-3)."""
+        while len(self._pending) > keep:
+            k, handle, out, _ = self._pending.pop(0)
             handle.wait()
             state = self.states[k]
             if state.grad_shard is None or self.stage < 2:
                 state.grad_shard = out
             else:
                 state.grad_shard += out
-        self._pending.clear()
+
+    def _finish_reductions(self) -> None:
+        self._drain(keep=0)
         self._note_buffers()
         held = (s.grad_flat if self.stage < 2 else s.grad_shard for s in self.states)
         self.grad_bytes = sum(_nbytes(t) for t in held)

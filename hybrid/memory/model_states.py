@@ -87,43 +87,43 @@ def buffer_bytes(numels: Sequence[int], stage: int, dp: int, element: int) -> in
     """Peak bytes of the engine's transient communication buffers in one backward.
 
     The engine issues each bucket's reduction from gradient hooks as soon as the bucket
-    is complete and waits for all of them when backward ends, so every buffer it issues
-    stays alive until then:
+    is complete:
     - stage 0: the all-reduce works in the persistent gradient buffer: nothing extra;
-    - stage 1: the reduce-scatter output (this rank's shard) of every bucket;
-    - stage 2: every bucket's full gradient buffer (filled by the hooks, freed only once
-      reduced) and its reduce-scatter output: (1 + 1/N) full gradients at the end;
-    - stage 3: the same, plus the gathered parameters, replayed event by event.
-    Bucket 0 (embeddings, final norm) completes last: the token embedding's gradient is
-    the last to arrive.
+    - stage 1: the reduce-scatter output (this rank's shard) of every bucket, all waited
+      for when backward ends;
+    - stages 2-3: at most two buckets' reductions in flight (each a full gradient buffer
+      and its shard output): issuing bucket k waits for bucket k + 1's and frees it.
+      Stage 3 adds the gathered parameters. Replayed event by event (`_backward_peak`).
     """
     shards = [n // dp for n in numels]
     if stage == 0:
         return 0
     if stage == 1:
         return element * sum(shards)
-    if stage == 2:
-        return element * (sum(numels) + sum(shards))
-    return element * _stage3_peak(numels, shards)
+    return element * _backward_peak(numels, shards, gathers=stage == 3)
 
 
-def _stage3_peak(numels: Sequence[int], shards: Sequence[int]) -> int:
+def _backward_peak(numels: Sequence[int], shards: Sequence[int], gathers: bool) -> int:
     """Replays the moments the engine measures (hybrid.engine._note_buffers) in backward.
 
-    Backward starts with bucket 0 gathered and the last unit prefetched (a hook on the
-    loss); the final norm's gradient opens bucket 0's gradient buffer. Then, for each unit
-    k from the last: its gradient hook gathers k and prefetches k - 1; its first gradient
-    opens its buffer; when complete it is reduce-scattered and freed. Bucket 0 ends it.
-    (Forward holds at most bucket 0 and two units: never more than backward does.)
+    Bucket 0 (embeddings, final norm) opens its gradient buffer first (the final norm's
+    or output layer's gradient comes first) and completes last (the token embedding's
+    comes last). For each unit bucket k from the last: its first gradient opens its
+    buffer; when complete it is reduce-scattered (a shard-sized output), and the
+    reduction issued before it (bucket k + 1's) is waited for and freed. At stage 3
+    backward starts with bucket 0 gathered and the last unit prefetched; the hook of unit
+    k gathers k and prefetches k - 1, and k is freed once issued. (Forward holds at most
+    bucket 0 and two units: never more than backward does.)
     """
     n = len(numels) - 1
-    flats, outs, peak = numels[0], 0, 0
-    gathered = numels[0] + (numels[n] if n else 0)
-    peak = flats + gathered
+    root_gathered = numels[0] if gathers else 0
+    peak = numels[0] + root_gathered + (numels[n] if n and gathers else 0)
+    previous = 0  # the reduction still in flight: a full buffer and its shard output
     for k in range(n, 0, -1):
-        following = numels[k - 1] if k > 1 else 0
-        flats += numels[k]
-        peak = max(peak, flats + outs + numels[0] + numels[k] + following)
-        outs += shards[k]
-        peak = max(peak, flats + outs + numels[0] + following)
-    return max(peak, flats + outs + shards[0])
+        following = numels[k - 1] if gathers and k > 1 else 0
+        open_now = numels[0] + previous + numels[k]
+        gathered_k = numels[k] if gathers else 0
+        peak = max(peak, open_now + root_gathered + gathered_k + following)
+        peak = max(peak, open_now + shards[k] + root_gathered + following)
+        previous = numels[k] + shards[k]
+    return max(peak, numels[0] + shards[0] + previous)
