@@ -176,7 +176,7 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
     window = args.seq_len or getattr(t, "seq_len", None)
     if window is not None and window > m.seq_len:  # a longer context: a longer position table
         m = dataclasses.replace(m, seq_len=window)
-    name = Path(args.config).stem
+    name = Path(args.config).name.removesuffix(".yaml")  # stem would cut "gpt2-1.5b"
     defaults = {
         "tp": p.tp,
         "zero_stage": p.zero_stage,

@@ -16,7 +16,7 @@ PRESETS = {  # name: (layers, hidden, heads)
     "gpt2-355m": (24, 1024, 16),
     "gpt2-774m": (36, 1280, 20),
     "gpt2-1.5b": (48, 1600, 25),
-    "megatron-8.3b": (72, 3072, 24),
+    "megatron-8.3b": (72, 3072, 32),
     "turing-nlg-17b": (78, 4256, 28),
 }
 
