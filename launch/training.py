@@ -298,6 +298,7 @@ def _loop(
         history.append(metrics)
         if tracker is not None:
             tracker.log(metrics)
+        preemption.step_took(time.perf_counter() - tick)  # with evaluation: the grace
         every = config.checkpoint.every
         preempted = preemption.requested(topology, env.device)
         if (every and (step + 1) % every == 0) or step + 1 == steps.stop or preempted:
