@@ -1,0 +1,471 @@
+"""What every system shares: the model shape, the data, the optimizer's hyper-parameters,
+the training loop that times it, and the measurements taken the same way for all.
+
+Measurements, all per rank:
+- step time: wall clock of forward + backward + optimizer step + reading the loss (which
+  waits for the step), after `warmup` untimed steps;
+- communication: every collective that reaches a process group, counted where all systems
+  meet, at torch's dispatcher: the `c10d::` operators (dist.* calls, DDP's C++ reducer,
+  FSDP2, DeepSpeed) and the functional collectives (`_c10d_functional::`, DTensor's path),
+  during one instrumented warm-up step; bytes follow hybrid.comm's convention (all-reduce
+  and broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input);
+- model-state bytes: every floating-point tensor storage alive in Python at the end of that
+  step's backward (parameters, gradients and their buckets, master copies, optimizer
+  moments), each storage once, the batch excluded, the least of a few samples
+  (settled_tensor_bytes); split into parameters, gradients, optimizer and other (gradient
+  buckets and communication buffers a system holds outside `.grad`);
+- peak RSS: the process's high-water mark (VmHWM), reset after imports and process-group
+  start so that it reflects the model and the training (the baseline is reported too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import gzip
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.gpt import GPT, GPTConfig
+
+SEED = 1234
+ROOT = Path(__file__).resolve().parents[2]
+CORPUS = ROOT / "launch" / "assets" / "shakespeare.txt.gz"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The model, batch and optimizer every system runs (defaults: a few seconds per job on
+    two CPU cores). Tokens are the corpus's bytes, so the vocabulary is 256."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    seq_len: int = 256
+    vocab_size: int = 256
+    global_batch: int = 8  # sequences per optimizer step, split over DP ranks
+    steps: int = 5  # timed steps
+    warmup: int = 2  # untimed steps before them; the last one is instrumented
+    lr: float = 3e-4  # at 1e-3 this model spikes in its first steps, and a spike amplifies
+    # rounding differences past 1e-5: the loss check would compare chaos, not arithmetic
+    grad_clip: float = 1.0
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    bucket_mb: float = 25.0  # our bucket cap; DDP's default and DeepSpeed's bucket sizes
+    fused_adamw: bool = True  # every system steps the same torch AdamW kernel (ours: fused)
+    device: str = "cpu"  # "cuda": bf16 (ours, autocast for the peers, DeepSpeed's bf16)
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            d_model=self.d_model,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            dropout=0.0,
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def bf16(self) -> bool:
+        return self.device == "cuda"
+
+    def bucket_elements(self) -> int:
+        """Our bucket cap in elements of the training dtype (DeepSpeed counts elements)."""
+        return int(self.bucket_mb * 2**20 / (2 if self.bf16 else 4))
+
+
+# Systems and their families. `ours` covers every layout of our engine.
+PEERS = ("plain", "ddp", "fsdp2", "dtensor_tp", "fsdp2_tp", "deepspeed")
+SYSTEMS = ("ours", *PEERS)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One (system, configuration): a torchrun job of `world` = dp x tp processes."""
+
+    system: str
+    dp: int = 1
+    tp: int = 1
+    stage: int = 0  # ZeRO stage (ours, DeepSpeed); FSDP2 is stage 3, DDP stage 0
+    recompute: bool = False  # full recomputation of every transformer block
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def layout(self) -> str:
+        if self.world == 1:
+            return "1 process"
+        parts = [f"tp={self.tp}"] if self.tp > 1 else []
+        parts += [f"dp={self.dp}"] if self.dp > 1 else []
+        return " x ".join(parts)
+
+    @property
+    def label(self) -> str:
+        name = {
+            "ours": f"ours stage {self.stage}",
+            "deepspeed": f"DeepSpeed stage {self.stage}",
+            "plain": "plain PyTorch",
+            "ddp": "DDP",
+            "fsdp2": "FSDP2",
+            "dtensor_tp": "DTensor TP + loss_parallel",
+            "fsdp2_tp": "FSDP2 + DTensor TP",
+        }[self.system]
+        return f"{name}, {self.layout}" + (", recompute" if self.recompute else "")
+
+    @property
+    def group(self) -> str:
+        """Configurations that compete: same layout, same ZeRO stage, same recompute."""
+        return f"{self.layout} | stage {self.stage} | {'full' if self.recompute else 'none'}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        raw = json.loads(text)
+        bench = raw.pop("bench")
+        bench["betas"] = tuple(bench["betas"])
+        return cls(bench=BenchConfig(**bench), **raw)
+
+
+# ---- model, data, optimizer -----------------------------------------------------------------
+
+
+def initial_state(bench: BenchConfig) -> dict[str, torch.Tensor]:
+    """Our GPT's weights at tp=1 from SEED: the weights every system starts from (ours
+    draws the same full tensors and slices them, hybrid.tensor_parallel.shards)."""
+    return {
+        k: v.detach().clone() for k, v in GPT(bench.gpt_config(), seed=SEED).state_dict().items()
+    }
+
+
+def global_batches(bench: BenchConfig) -> list[torch.Tensor]:
+    """(global_batch, seq_len + 1) windows of the bundled corpus's bytes per step, drawn
+    from SEED: the same global batches for every system."""
+    with gzip.open(CORPUS, "rb") as f:
+        corpus = torch.from_numpy(np.frombuffer(f.read(), dtype=np.uint8).copy())
+    window = bench.seq_len + 1
+    generator = torch.Generator().manual_seed(SEED)
+    batches = []
+    for _ in range(bench.warmup + bench.steps):
+        starts = torch.randint(
+            0, corpus.numel() - window, (bench.global_batch,), generator=generator
+        )
+        batches.append(torch.stack([corpus[s : s + window] for s in starts.tolist()]).long())
+    return batches
+
+
+def local_batch(batch: torch.Tensor, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This DP rank's contiguous rows of the global batch, as (inputs, targets)."""
+    if batch.shape[0] % dp:
+        raise ValueError(f"global batch {batch.shape[0]} is not divisible by dp={dp}")
+    rows = batch.shape[0] // dp
+    mine = batch[dp_rank * rows : (dp_rank + 1) * rows]
+    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
+def adamw_groups(
+    named: list[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict[str, Any]]:
+    """Our engine's rule: decay matrices and embeddings (dim >= 2), not biases or norms.
+    Parameters of different kinds (plain tensors, DTensors per mesh) go into separate
+    groups: torch's fused and foreach AdamW refuse to mix them in one call."""
+    groups: dict[tuple[bool, str], list[torch.nn.Parameter]] = {}
+    for _, p in named:
+        mesh = getattr(p, "device_mesh", None)
+        groups.setdefault((p.dim() >= 2, "" if mesh is None else repr(mesh)), []).append(p)
+    return [
+        {"params": params, "weight_decay": weight_decay if decay else 0.0}
+        for (decay, _), params in groups.items()
+    ]
+
+
+def make_adamw(groups: list[dict[str, Any]], bench: BenchConfig) -> torch.optim.AdamW:
+    """The peers' optimizer: torch AdamW with our hyper-parameters (DeepSpeed gets it as
+    its client optimizer, so nothing of DeepSpeed's is compiled)."""
+    return torch.optim.AdamW(
+        groups, lr=bench.lr, betas=bench.betas, eps=bench.eps, fused=bench.fused_adamw or None
+    )
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+
+class Trainer(Protocol):
+    """A system ready to train: what the shared loop needs from it."""
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's batch; the local mean loss, detached."""
+        ...
+
+    def optimizer_step(self) -> None: ...
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold this rank's parameters (local shards)."""
+        ...
+
+    def reported(self) -> dict[str, Any]:
+        """What the system reports about itself (our engine's own byte counts)."""
+        ...
+
+
+def train(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int) -> dict:
+    """Run every batch; time the steps after `warmup`; instrument the last warm-up step
+    (communication and memory): its timing is not used, so the counting costs nothing."""
+    if warmup < 2:
+        raise ValueError("warmup must be at least 2: optimizer states exist from step 2 on")
+    losses, times = [], []
+    comm: dict[str, Any] = {}
+    memory: dict[str, Any] = {}
+    exclude = [t for pair in batches for t in pair]
+    for i, (x, y) in enumerate(batches):
+        instrument = i == warmup - 1
+        counter = CommCounter() if instrument else contextlib.nullcontext()
+        tick = time.perf_counter()
+        with counter:
+            loss = trainer.forward_backward(x, y)
+            if instrument:
+                memory = settled_tensor_bytes(trainer.model_tensors(), exclude)
+            trainer.optimizer_step()
+            losses.append(float(loss))
+        elapsed = time.perf_counter() - tick
+        if isinstance(counter, CommCounter):
+            comm = counter.summary()
+        if i >= warmup:
+            times.append(elapsed)
+    return {
+        "losses": losses,
+        "times": times,
+        "median_time": statistics.median(times),
+        "comm": comm,
+        "memory": memory,
+    }
+
+
+# ---- communication --------------------------------------------------------------------------
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+# operator name -> kind; the counted tensors are the first argument except where noted.
+_KINDS = (
+    ("allreduce", "all_reduce"),
+    ("all_reduce", "all_reduce"),
+    ("allgather", "all_gather"),  # c10d: the outputs, i.e. the gathered tensor
+    ("all_gather", "all_gather"),  # functional: the input shard x group size
+    ("reduce_scatter", "reduce_scatter"),  # the full input (c10d: second argument)
+    ("broadcast", "broadcast"),
+    ("alltoall", "all_to_all"),  # c10d: second argument, the input
+    ("all_to_all", "all_to_all"),
+)
+_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
+def _counted_bytes(namespace: str, name: str, kind: str, args: tuple) -> int:
+    def size(value: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+    if namespace == "c10d":
+        return size(args[1] if kind in ("reduce_scatter", "all_to_all") else args[0])
+    if kind == "all_gather":  # (input, group_size, group_name)
+        return size(args[0]) * int(args[1])
+    return size(args[0])
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts the collectives issued on this thread (and on autograd's, which inherits the
+    mode) at the dispatcher: the process-group operators (`c10d::`, which dist.*, DDP's C++
+    reducer and FSDP2 reach) and the functional collectives (`_c10d_functional::`, DTensor's
+    path). The latter call their process group directly, not through a `c10d::` operator,
+    and a mode does not see what runs inside an operator it handles, so nothing is counted
+    twice; `wait_tensor` and barriers are not collectives of data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        if func.namespace in _NAMESPACES:
+            name = func._schema.name.split("::", 1)[1]
+            for key, kind in _KINDS:
+                if key in name:
+                    self.bytes[kind] += _counted_bytes(func.namespace, name, kind, args)
+                    self.calls[kind] += 1
+                    break
+            else:
+                if not any(skip in name for skip in ("barrier", "wait", "wrap")):
+                    self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "bytes": dict(self.bytes),
+            "calls": dict(self.calls),
+            "total_bytes": sum(self.bytes.values()),
+        }
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of the storage behind a floating-point tensor (a DTensor's local
+    shard); None for tensors without one (meta, wrapper subclasses) and for integer and
+    byte tensors: model states are floating point, RNG states and indices are not."""
+    try:
+        local = getattr(tensor, "_local_tensor", None)
+        tensor = local if isinstance(local, torch.Tensor) else tensor
+        if tensor.device.type == "meta" or not tensor.is_floating_point():
+            return None
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        return (address, storage.nbytes()) if address else None
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+
+
+def live_tensor_bytes(
+    model_tensors: list[torch.Tensor], exclude: list[torch.Tensor]
+) -> dict[str, int]:
+    """Bytes of every tensor storage alive in Python, each once: parameters (storages of
+    `model_tensors`), gradients (their `.grad`), optimizer (state and master copies of every
+    torch optimizer alive) and other (everything else, e.g. gradient buckets). Tensors held
+    only by C++ (DDP's reducer buckets, autograd's saved tensors) are not seen."""
+    gc.collect()
+    objects = gc.get_objects()
+    storages: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on some library proxies warns; harmless
+        warnings.simplefilter("ignore")
+        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    for tensor in tensors:
+        found = _storage(tensor)
+        if found:
+            storages[found[0]] = found[1]
+
+    def addresses(tensors: Any) -> set[int]:
+        return {s[0] for t in tensors if t is not None and (s := _storage(t))}
+
+    params = addresses(model_tensors)
+    grads = addresses(getattr(t, "grad", None) for t in model_tensors)
+    optim: set[int] = set()
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            optim |= addresses(v for v in state.values() if isinstance(v, torch.Tensor))
+        optim |= addresses(p for g in optimizer.param_groups for p in g["params"]) - params
+    skip = addresses(exclude)
+    totals = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
+    for address, nbytes in storages.items():
+        if address in skip:
+            continue
+        kind = (
+            "parameters"
+            if address in params
+            else "gradients"
+            if address in grads
+            else "optimizer"
+            if address in optim
+            else "other"
+        )
+        totals[kind] += nbytes
+    totals["total"] = sum(totals.values())
+    return totals
+
+
+def settled_tensor_bytes(
+    model_tensors: list[torch.Tensor], exclude: list[torch.Tensor], samples: int = 4
+) -> dict[str, Any]:
+    """`live_tensor_bytes`, the smallest of a few samples 20 ms apart. Under load, a single
+    sample once counted a gradient bucket that had already been released (+12 MB for ours at
+    stage 2 in one smoke run, +0.5 MB for FSDP2 in another; not reproduced on reruns). The
+    likely cause: gloo's worker thread drops a finished collective's tensors a moment after
+    `wait()` returns, and a tensor C++ still holds keeps its Python object. The samples are
+    kept in the result, so such a transient shows."""
+    taken = []
+    for i in range(samples):
+        if i:
+            time.sleep(0.02)
+        taken.append(live_tensor_bytes(model_tensors, exclude))
+    least = min(taken, key=lambda m: m["total"])
+    return {**least, "samples": [m["total"] for m in taken]}
+
+
+def _proc_status(field_name: str) -> int | None:
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def current_rss() -> int:
+    return _proc_status("VmRSS") or 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS (Linux); False if not."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """VmHWM, or the lifetime peak where /proc is missing."""
+    return _proc_status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---- the machine ----------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info = {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory_gb": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info

@@ -1,0 +1,66 @@
+"""DeepSpeed ZeRO stage 0-3 on the plain twin, launched by torchrun over the existing
+process group, with torch's AdamW as the client optimizer (so nothing is compiled but the
+shared-memory communication op DeepSpeed builds on first use) and our bucket size as its
+reduce and all-gather bucket sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+
+from .common import JobSpec, adamw_groups, initial_state, make_adamw
+from .plain_gpt import from_state
+
+
+def ds_config(spec: JobSpec) -> dict[str, Any]:
+    bench = spec.bench
+    bucket = bench.bucket_elements()
+    zero: dict[str, Any] = {
+        "stage": spec.stage,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+    }
+    return {
+        "train_batch_size": bench.global_batch,
+        "train_micro_batch_size_per_gpu": bench.global_batch // spec.dp,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": bench.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bench.bf16},
+        "steps_per_print": 2**30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedTrainer:
+    def __init__(self, spec: JobSpec, device: torch.device) -> None:
+        if spec.tp != 1:
+            raise ValueError("the DeepSpeed peer runs ZeRO along DP only (tp=1)")
+        bench = spec.bench
+        model = from_state(bench.gpt_config(), initial_state(bench), spec.recompute).to(device)
+        optimizer = make_adamw(
+            adamw_groups(list(model.named_parameters()), bench.weight_decay), bench
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config(spec)
+        )
+        self.dp_rank, self.tp_rank = self.engine.global_rank, 0
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        # At stage 3 a module parameter is an empty placeholder; its shard is ds_tensor.
+        params = list(self.engine.module.parameters())
+        return params + [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
+
+    def reported(self) -> dict[str, Any]:
+        return {"deepspeed": deepspeed.__version__}

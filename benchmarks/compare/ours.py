@@ -1,0 +1,63 @@
+"""Our engine: the GPT on hybrid layers at tp, ZeRO stage 0-3 along dp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybrid.engine import Engine, EngineConfig
+from hybrid.recompute import Recompute, RecomputePolicy
+from hybrid.tensor_parallel import TensorParallel
+from hybrid.topology import Topology
+from models.gpt import GPT
+
+from .common import SEED, JobSpec
+
+
+class OursTrainer:
+    def __init__(self, spec: JobSpec, device: torch.device) -> None:
+        bench = spec.bench
+        self.topology = Topology.build(spec.tp, device.type)
+        if self.topology.dp != spec.dp:
+            raise ValueError(
+                f"world {self.topology.world_size} at tp={spec.tp} is not dp={spec.dp}"
+            )
+        tp = TensorParallel.from_topology(self.topology, SEED, device=device)
+        policy = RecomputePolicy(Recompute.FULL if spec.recompute else Recompute.NONE)
+        model = GPT(bench.gpt_config(), tp, policy, seed=SEED, device=device)
+        config = EngineConfig(
+            zero_stage=spec.stage,
+            precision="bf16" if bench.bf16 else "fp32",
+            grad_clip=bench.grad_clip,
+            weight_decay=bench.weight_decay,
+            betas=bench.betas,
+            eps=bench.eps,
+            bucket_mb=bench.bucket_mb,
+        )
+        self.engine = Engine(model, self.topology, tp, config, list(model.blocks), device)
+        self.lr = bench.lr
+        self.dp_rank, self.tp_rank = self.topology.dp_rank, self.topology.tp_rank
+        self.steps = 0
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.engine.step(self.lr)
+        self.steps += 1
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        # Parameters are views into the buckets' flat storages (stage 3: the shards).
+        return [s.param_storage for s in self.engine.states] + list(self.engine.module.parameters())
+
+    def reported(self) -> dict[str, Any]:
+        # hybrid.comm's own count, per step (every step moves the same): a cross-check of
+        # the dispatcher-level count that all systems get.
+        per_step = {
+            f"{kind}/{group}": nbytes // max(self.steps, 1)
+            for (kind, group), nbytes in self.topology.counter.bytes.items()
+        }
+        return {"model_state_bytes": self.engine.model_state_bytes(), "comm_bytes": per_step}

@@ -1,0 +1,49 @@
+"""The overhead reference: one process, the plain-PyTorch twin, torch AdamW, no wrapper."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .common import JobSpec, adamw_groups, initial_state, make_adamw
+from .plain_gpt import from_state
+
+
+class PlainTrainer:
+    def __init__(self, spec: JobSpec, device: torch.device) -> None:
+        if spec.world != 1:
+            raise ValueError("the plain loop runs in one process")
+        bench = spec.bench
+        self.model = from_state(bench.gpt_config(), initial_state(bench), spec.recompute)
+        self.model.to(device)
+        self.optimizer = make_adamw(
+            adamw_groups(list(self.model.named_parameters()), bench.weight_decay), bench
+        )
+        self.clip = bench.grad_clip
+        self.device_type, self.bf16 = device.type, bench.bf16
+        self.dp_rank = self.tp_rank = 0
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        autocast = (
+            torch.autocast(self.device_type, torch.bfloat16)
+            if self.bf16
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = self.model(x, y)
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def reported(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,99 @@
+"""One benchmark job, on every rank of a torchrun launch:
+
+    torchrun --standalone --nproc_per_node N -m benchmarks.compare.worker \\
+        --spec '<JobSpec JSON>' --out DIR
+
+builds the system of the spec, trains it on the shared batches (common.train) and writes
+DIR/rank<R>.json with its losses, step times, communication, memory and RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from hybrid.distributed import init_distributed, shutdown
+
+from .common import (
+    JobSpec,
+    current_rss,
+    global_batches,
+    local_batch,
+    machine,
+    peak_rss,
+    reset_peak_rss,
+    train,
+)
+
+# system -> (module, trainer class); imported on demand so that only DeepSpeed's own jobs
+# import DeepSpeed (its import alone costs seconds and memory).
+RUNNERS = {
+    "ours": ("ours", "OursTrainer"),
+    "plain": ("plain", "PlainTrainer"),
+    "ddp": ("torch_peers", "TorchTrainer"),
+    "fsdp2": ("torch_peers", "TorchTrainer"),
+    "dtensor_tp": ("torch_peers", "TorchTrainer"),
+    "fsdp2_tp": ("torch_peers", "TorchTrainer"),
+    "deepspeed": ("deepspeed_peer", "DeepSpeedTrainer"),
+}
+
+
+def run(spec: JobSpec, out: Path) -> dict:
+    # torchrun gives every local rank OMP_NUM_THREADS=1 when it starts several; the driver
+    # sets it for one-process jobs too, so every rank computes on one thread.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    module_name, class_name = RUNNERS[spec.system]
+    trainer_class = getattr(importlib.import_module(f"{__package__}.{module_name}"), class_name)
+    env = init_distributed()
+    if env.world_size != spec.world:
+        raise ValueError(f"launched {env.world_size} processes for a job of {spec.world}")
+    try:
+        torch.manual_seed(0)
+        device = env.device if spec.bench.device == "cuda" else torch.device("cpu")
+        baseline = current_rss()
+        peak_was_reset = reset_peak_rss()
+        tick = time.perf_counter()
+        trainer = trainer_class(spec, device)
+        setup_s = time.perf_counter() - tick
+        batches = [
+            tuple(t.to(device) for t in local_batch(b, trainer.dp_rank, spec.dp))
+            for b in global_batches(spec.bench)
+        ]
+        result = train(trainer, batches, spec.bench.warmup)
+        result.update(
+            spec=json.loads(spec.to_json()),
+            rank=env.rank,
+            dp_rank=trainer.dp_rank,
+            tp_rank=trainer.tp_rank,
+            setup_s=setup_s,
+            baseline_rss=baseline,
+            peak_rss=peak_rss(),
+            peak_rss_is_since_setup=peak_was_reset,
+            reported=trainer.reported(),
+            machine=machine(),
+        )
+        if torch.cuda.is_available() and device.type == "cuda":
+            result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1))
+        return result
+    finally:
+        shutdown(env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="a JobSpec as JSON")
+    parser.add_argument("--out", type=Path, required=True, help="folder for rank<R>.json")
+    args = parser.parse_args()
+    run(JobSpec.from_json(args.spec), args.out)
+
+
+if __name__ == "__main__":
+    main()
