@@ -29,7 +29,10 @@ class _Conjugate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, forward_op: Op, backward_op: Op) -> Any:
         ctx.group, ctx.backward_op = group, backward_op
-        return forward_op(x, group)
+        out = forward_op(x, group)
+        if out is x:  # reduced in place: autograd checks that nothing saved x before
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -41,7 +44,14 @@ def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return group.all_reduce(x.clone())  # never in place: autograd may share the tensor
+    """In place, as Megatron-LM does: no copy of every activation. Forward, g's input is a
+    row-parallel matmul's output, which nothing saved (marked dirty, so autograd would
+    catch it if something did). Backward, f's gradient comes from its one consumer, a
+    column-parallel matmul, fresh and held by nobody else. (A leaf that requires grad, as
+    in a direct test of the operator, cannot change in place: it is copied.)"""
+    if x.is_leaf and x.requires_grad:
+        x = x.clone()
+    return group.all_reduce(x)
 
 
 def _conjugate(x: torch.Tensor, group: Group, forward_op: Op, backward_op: Op) -> torch.Tensor:
