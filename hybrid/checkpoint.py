@@ -34,7 +34,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 
-from .checkpoint_files import SafeReader, begin, check_checkpoint, commit, load_rng, save_rng
+from .checkpoint_files import (
+    SafeReader,
+    barrier,
+    begin,
+    check_checkpoint,
+    commit,
+    load_rng,
+    record_checksums,
+    save_rng,
+)
 from .engine import Engine
 from .tensor_parallel import ShardSpec, parameter_shards
 from .tensor_parallel.shards import full_shape
@@ -154,6 +163,8 @@ def save_checkpoint(
         tmp = begin(root, step)
         save_engine(engine, tmp)
         save_rng(tmp, rng)
+        barrier()  # rank 0 hashes the index, which DCP writes after every rank's shards
+        record_checksums(tmp)
         return commit(root, tmp, step, trainer_state, keep)
 
 
@@ -162,7 +173,7 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Fill `engine` from the checkpoint at `path` (any layout); returns its trainer state
     and this rank's saved random states (None if the checkpoint has none for this rank)."""
-    state = check_checkpoint(path)
+    state = check_checkpoint(path, verify_checksums=False)  # sizes; hashes: before start-up
     with _process_group():
         load_engine(engine, path)
         return state, load_rng(path)

@@ -11,6 +11,7 @@ checkpoint and its pointer intact; resume ignores `.tmp-*` folders.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
+CHECKSUMS = "checksums"  # checksums/rank<N>.json: SHA-256 of the files rank N wrote
 
 
 class CheckpointError(ValueError):
@@ -94,12 +96,14 @@ def find_latest(root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def check_checkpoint(path: Path) -> dict[str, Any]:
+def check_checkpoint(path: Path, verify_checksums: bool = True) -> dict[str, Any]:
     """The trainer state of a complete checkpoint, or a CheckpointError naming the fix.
 
     Also checks, before any process group starts, that every shard file the index refers
     to is there and holds at least the bytes the index reads from it: a missing or
-    truncated shard is named here instead of failing inside a collective load."""
+    truncated shard is named here instead of failing inside a collective load; with
+    `verify_checksums`, also that every file hashes to what its writer recorded, so an
+    altered shard is named too (this reads every file: one process per node is enough)."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
@@ -112,7 +116,48 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
     except ValueError as error:
         raise CheckpointError(f"{path / STATE_FILE} is corrupt: {error}") from error
     check_shard_files(path)
+    if verify_checksums:
+        check_checksums(path)
     return state
+
+
+def record_checksums(tmp: Path) -> None:
+    """Each rank records the SHA-256 of the files it wrote: its DCP shards and random
+    states, and on rank 0 the index (every rank calls, after writing)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files = sorted(tmp.glob(f"__{rank}_*.distcp")) + sorted(tmp.glob(f"rng/rank{rank}.pt"))
+    if rank == 0 and (tmp / ".metadata").is_file():
+        files.append(tmp / ".metadata")
+    sums = {str(f.relative_to(tmp)): _sha256(f) for f in files}
+    (tmp / CHECKSUMS).mkdir(exist_ok=True)
+    _write_durably(tmp / CHECKSUMS / f"rank{rank}.json", json.dumps(sums, indent=1))
+
+
+def check_checksums(path: Path) -> None:
+    """CheckpointError naming the first file whose SHA-256 differs from the one recorded
+    at save time (checkpoints written before checksums existed pass)."""
+    for record in sorted((path / CHECKSUMS).glob("rank*.json")):
+        try:
+            sums = json.loads(record.read_text())
+        except ValueError as error:
+            raise CheckpointError(f"{record} is corrupt: {error}") from error
+        for name, digest in sums.items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint file {file} is missing (listed in {record})")
+            if _sha256(file) != digest:
+                raise CheckpointError(
+                    f"checkpoint file {file} does not match the SHA-256 recorded when it was "
+                    "written (altered or corrupted): resume from an earlier checkpoint"
+                )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_shard_files(path: Path) -> None:

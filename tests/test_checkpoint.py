@@ -176,3 +176,15 @@ def test_auto_resume_skips_a_damaged_newest_checkpoint(
             assert f"not resuming from {second}" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=f"no checkpoint in {tmp_path} can be loaded"):
         resume_from(config)
+
+
+def test_an_altered_shard_is_named_by_its_checksum(tmp_path: Path) -> None:
+    saved = save_checkpoint(_single_engine(1), tmp_path, 1, {"step": 1}, {}, keep=1)
+    assert (saved / "checksums" / "rank0.json").is_file()
+    check_checkpoint(saved)
+    shard = next(saved.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit inside a tensor: same size, loads silently
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard} does not match the SHA-256"):
+        check_checkpoint(saved)
