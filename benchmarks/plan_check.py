@@ -17,23 +17,26 @@ Writes a report of four parts, each with the command that produces it:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
-from hybrid.memory import activation_bytes, stored_activation_bytes
+from hybrid.memory import stored_activation_bytes
 from hybrid.testing import run_processes
 from launch.plan import main as plan_main
-from models.gpt.accounting import transformer_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 # The measured cases and the paper's numbers live with the tests, which import from here.
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from plan_cases import ACTIVATION_BATCH, ACTIVATION_MODEL, measure_all  # noqa: E402
+from plan_cases import (  # noqa: E402
+    ACTIVATION_BATCH,
+    ACTIVATION_MODEL,
+    measure_all,
+    predicted_activations,
+)
 from test_plan import FIGURE_1, TABLE_1, predict, printed  # noqa: E402
 
 TURING = "--config turing-nlg-17b --gpus 256 --gpu-memory 32GiB"
@@ -137,15 +140,7 @@ def measured_section() -> list[str]:
     ]
     for a in measured["activations"]:
         case = a["case"]
-        config = dataclasses.replace(ACTIVATION_MODEL, dropout=a["dropout"])
-        parts = activation_bytes(
-            transformer_shape(config),
-            ACTIVATION_BATCH,
-            case["tp"],
-            case["sequence_parallel"],
-            case["recompute"],
-            element=2,
-        )
+        parts = predicted_activations(a)
         total = a["embedding"] + a["layers"] + a["output"]
         stored = stored_activation_bytes(parts)
         lines.append(

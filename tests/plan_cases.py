@@ -13,10 +13,12 @@ from benchmarks.activation_memory import Case, build, saved_bytes
 from hybrid.comm import CollectiveCounter, Group
 from hybrid.distributed import init_distributed, shutdown
 from hybrid.engine import Engine, EngineConfig
+from hybrid.memory import activation_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
+from models.gpt.accounting import transformer_shape
 
 # Three small models: GPT-2 style, with dropout, a vocabulary that does not divide by tp
 # (local padding) and layers of odd size per TP rank at tp 2 (bucket padding at dp 2);
@@ -163,6 +165,20 @@ def activations(topology: Topology) -> list[dict[str, Any]]:
             measured = saved_bytes(build(case, config, topology), ids)
             results.append({"case": dataclasses.asdict(case), "dropout": dropout, **measured})
     return results
+
+
+def predicted_activations(measured: dict[str, Any]) -> dict[str, float]:
+    """The planner's activation bytes by part for one measured case of `activations`."""
+    case = measured["case"]
+    config = dataclasses.replace(ACTIVATION_MODEL, dropout=measured["dropout"])
+    return activation_bytes(
+        transformer_shape(config),
+        ACTIVATION_BATCH,
+        case["tp"],
+        case["sequence_parallel"],
+        case["recompute"],
+        element=2,
+    )
 
 
 def measure_all() -> dict[str, list[dict[str, Any]]]:

@@ -22,13 +22,12 @@ from pathlib import Path
 
 import pytest
 from plan_cases import (
-    ACTIVATION_BATCH,
-    ACTIVATION_MODEL,
     BUCKET_MB,
     MICRO_BATCH,
     MICRO_BATCHES,
     MODELS,
     measure_all,
+    predicted_activations,
 )
 
 from hybrid.comm import VirtualGroup
@@ -36,7 +35,6 @@ from hybrid.engine import build_buckets
 from hybrid.memory import (
     Layout,
     TransformerShape,
-    activation_bytes,
     bucket_numels,
     layer_bytes,
     paper_layer_bytes,
@@ -175,16 +173,7 @@ def test_activations_within_15_percent_of_saved_bytes(measured: dict) -> None:
         (mode, tp) for mode in ("none", "selective", "full") for tp in (1, 2)
     }
     for a in cases:
-        case = a["case"]
-        config = dataclasses.replace(ACTIVATION_MODEL, dropout=a["dropout"])
-        parts = activation_bytes(
-            transformer_shape(config),
-            ACTIVATION_BATCH,
-            case["tp"],
-            case["sequence_parallel"],
-            case["recompute"],
-            element=2,
-        )
+        parts = predicted_activations(a)
         total = a["embedding"] + a["layers"] + a["output"]
         assert total == pytest.approx(stored_activation_bytes(parts), rel=0.15), a
         assert a["layers"] == pytest.approx(parts["layers"], rel=0.15), a
