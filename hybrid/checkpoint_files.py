@@ -128,7 +128,7 @@ def record_checksums(tmp: Path) -> None:
     files = sorted(tmp.glob(f"__{rank}_*.distcp")) + sorted(tmp.glob(f"rng/rank{rank}.pt"))
     if rank == 0 and (tmp / ".metadata").is_file():
         files.append(tmp / ".metadata")
-    sums = {str(f.relative_to(tmp)): _sha256(f) for f in files}
+    sums = {str(f.relative_to(tmp)): file_sha256(f) for f in files}
     (tmp / CHECKSUMS).mkdir(exist_ok=True)
     _write_durably(tmp / CHECKSUMS / f"rank{rank}.json", json.dumps(sums, indent=1))
 
@@ -145,14 +145,15 @@ def check_checksums(path: Path) -> None:
             file = path / name
             if not file.is_file():
                 raise CheckpointError(f"checkpoint file {file} is missing (listed in {record})")
-            if _sha256(file) != digest:
+            if file_sha256(file) != digest:
                 raise CheckpointError(
                     f"checkpoint file {file} does not match the SHA-256 recorded when it was "
                     "written (altered or corrupted): resume from an earlier checkpoint"
                 )
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in 4 MiB chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

@@ -33,9 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Handle
-from .tensor_parallel import TensorParallel, named_full_tensors, parameter_shards
+from .tensor_parallel import TensorParallel, named_full_tensors
 from .topology import Topology
-from .zero.bucket import FlatBucket, group_units, max_bucket_numel
+from .zero.accounting import model_state_bytes, nbytes, transient_bytes
+from .zero.bucket import build_buckets, max_bucket_numel
 from .zero.gather import ParameterGatherer
 from .zero.state import materialise, replace_meta_parameters
 
@@ -63,27 +64,6 @@ class StepStats:
     grad_norm: float
     skipped: bool
     loss_scale: float
-
-
-def build_buckets(
-    model: nn.Module,
-    units: list[nn.Module],
-    dp_size: int,
-    dp_rank: int,
-    max_numel: int | None = None,
-) -> list[FlatBucket]:
-    """Bucket 0: the parameters outside every unit; then the units, one per bucket, or,
-    with `max_numel`, consecutive units together while they fit. Works on meta
-    parameters, so a layout can be planned for any dp without memory."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    split = set(parameter_shards(model))
-    in_units = {id(p) for unit in units for p in unit.parameters()}
-    groups = [[(names[id(p)], p) for p in model.parameters() if id(p) not in in_units]]
-    per_unit = [[(names[id(p)], p) for p in unit.parameters()] for unit in units]
-    numels = [sum(p.numel() for _, p in params) for params in per_unit]
-    for indices in group_units(numels, max_numel):
-        groups.append([item for i in indices for item in per_unit[i]])
-    return [FlatBucket(g, split, dp_size, dp_rank) for g in groups]
 
 
 class Engine:
@@ -271,7 +251,7 @@ class Engine:
         self._drain(keep=0)
         self._note_buffers()
         held = (s.grad_flat if self.stage < 2 else s.grad_shard for s in self.states)
-        self.grad_bytes = sum(_nbytes(t) for t in held)
+        self.grad_bytes = sum(nbytes(t) for t in held)
 
     # ---- the optimizer step ---------------------------------------------------------------
 
@@ -411,39 +391,14 @@ class Engine:
                 self.gatherer.free(index)
         return state
 
-    # ---- accounting -----------------------------------------------------------------------
+    # ---- accounting (hybrid.zero.accounting) --------------------------------------------
 
     def _note_buffers(self) -> None:
-        """Track the peak bytes of transient buffers: full gradient buckets in flight (stages
-        2-3), reduce-scatter outputs (stage 1), gathered parameters (stage 3)."""
-        persistent = {id(s.param_storage) for s in self.states}
-        if self.stage < 2:
-            persistent |= {id(s.grad_flat) for s in self.states}
-        else:
-            persistent |= {id(s.grad_shard) for s in self.states}
-        transient = [t for _, _, out, flat in self._pending for t in (out, flat)]
-        transient += [s.grad_flat for s in self.states] + [s.grad_shard for s in self.states]
-        unique = {id(t): t for t in transient if t is not None and id(t) not in persistent}
-        held = sum(_nbytes(t) for t in unique.values())
-        if self.gatherer is not None:
-            held += self.gatherer.held_bytes()
+        """Track the peak bytes of transient communication buffers."""
+        held = transient_bytes(self.states, self._pending, self.stage, self.gatherer)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for model states, counted from the tensors themselves, each
-        storage once: parameters (the flat buffers at stages 0-2, the shards at 3), gradients
-        when the last backward ended (the full flat buffers at stages 0-1, the reduced shards
-        at 2-3), optimizer (the fp32 master where it is not the parameters themselves, and
-        Adam's moments); and the peak of transient communication buffers."""
-        optimizer = sum(_nbytes(s.master) for s in self.states if s.master is not s.param_shard)
-        optimizer += sum(_nbytes(s.exp_avg) + _nbytes(s.exp_avg_sq) for s in self.states)
-        return {
-            "parameters": sum(_nbytes(s.param_storage) for s in self.states),
-            "gradients": self.grad_bytes,
-            "optimizer": optimizer,
-            "buffers": self.peak_buffer_bytes,
-        }
-
-
-def _nbytes(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+        """This rank's model-state bytes, counted from its tensors (see
+        hybrid.zero.accounting.model_state_bytes)."""
+        return model_state_bytes(self.states, self.grad_bytes, self.peak_buffer_bytes)

@@ -23,8 +23,7 @@ from models.gpt.hf import read_hf_config
 
 from .cli import run
 from .config import Config, ConfigError, load_config
-
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+from .data.tokenizers import has_tokenizer
 
 
 def read_pretrained_model(folder: str) -> GPTConfig:
@@ -38,9 +37,8 @@ def read_pretrained_model(folder: str) -> GPTConfig:
 def read_finetune_config(path: str | None, overrides: list[str]) -> Config:
     config = load_config(path, overrides, pretrained_model=read_pretrained_model)
     folder = Path(config.init_from)
-    has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
     if config.data.tokenizer in ("gpt2", "bpe"):
-        if has_tokenizer:
+        if has_tokenizer(folder):
             config.data.tokenizer = str(folder)
         elif config.data.tokenizer == "bpe":
             raise ConfigError(

@@ -188,3 +188,18 @@ def test_an_altered_shard_is_named_by_its_checksum(tmp_path: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"{shard} does not match the SHA-256"):
         check_checkpoint(saved)
+
+
+def test_a_checkpoint_of_another_model_size_is_refused_by_name(
+    small_corpus: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launch import pretrain
+
+    base = [*small_run_overrides(small_corpus, cache_dir, tmp_path / "a"), "sample.tokens=0"]
+    assert pretrain.main(["--config", str(TINY_CONFIG), *base, "train.steps=2"]) == 0
+    saved = tmp_path / "a" / "checkpoints" / "step_00000002"
+    other = [*small_run_overrides(small_corpus, cache_dir, tmp_path / "b"), "model.n_layer=3"]
+    code = pretrain.main(["--config", str(TINY_CONFIG), *other, f"checkpoint.resume={saved}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {saved} holds another model (model.n_layer: 2 there, 3 here)" in err

@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` 
 from benchmarks.compare.common import (
     SEED,
     BenchConfig,
-    CommCounter,
     global_batches,
     initial_state,
     local_batch,
 )
+from benchmarks.compare.metrics import CommCounter
 from benchmarks.compare.plain_gpt import PlainGPT, from_state
 from models.gpt import GPT, GPTConfig
 

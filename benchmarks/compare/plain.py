@@ -11,7 +11,32 @@ from .common import JobSpec, adamw_groups, initial_state, make_adamw
 from .plain_gpt import from_state
 
 
-class PlainTrainer:
+class ModuleTrainer:
+    """The optimizer side of a system that trains an `nn.Module` with torch AdamW: clip,
+    step, zero; the module's parameters are what it holds. Subclasses set `model`,
+    `optimizer` and `clip`, and may clip their own way (DTensor)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    clip: float
+
+    def clip_gradients(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
+
+    def optimizer_step(self) -> None:
+        if self.clip > 0:
+            self.clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_tensors(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def reported(self) -> dict[str, Any]:
+        return {}
+
+
+class PlainTrainer(ModuleTrainer):
     def __init__(self, spec: JobSpec, device: torch.device) -> None:
         if spec.world != 1:
             raise ValueError("the plain loop runs in one process")
@@ -35,15 +60,3 @@ class PlainTrainer:
             loss = self.model(x, y)
         loss.backward()
         return loss.detach()
-
-    def optimizer_step(self) -> None:
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def model_tensors(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
-
-    def reported(self) -> dict[str, Any]:
-        return {}

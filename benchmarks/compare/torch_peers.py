@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from .common import JobSpec, adamw_groups, initial_state, make_adamw
+from .plain import ModuleTrainer
 from .plain_gpt import PlainGPT, from_state
 
 
@@ -83,7 +84,7 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> float:
     return norm
 
 
-class TorchTrainer:
+class TorchTrainer(ModuleTrainer):
     def __init__(self, spec: JobSpec, device: torch.device) -> None:
         bench = spec.bench
         self.system, self.bf16, self.device_type = spec.system, bench.bf16, device.type
@@ -128,17 +129,8 @@ class TorchTrainer:
             loss = loss.to_local()  # replicated over TP
         return loss.detach()
 
-    def optimizer_step(self) -> None:
-        if self.clip > 0:
-            if self.tensor_parallel:
-                clip_grad_norm(list(self.model.parameters()), self.clip)
-            else:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def model_tensors(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
-
-    def reported(self) -> dict[str, Any]:
-        return {}
+    def clip_gradients(self) -> None:
+        if self.tensor_parallel:
+            clip_grad_norm(list(self.model.parameters()), self.clip)
+        else:
+            super().clip_gradients()

@@ -20,16 +20,8 @@ import torch
 
 from hybrid.distributed import init_distributed, shutdown
 
-from .common import (
-    JobSpec,
-    current_rss,
-    global_batches,
-    local_batch,
-    machine,
-    peak_rss,
-    reset_peak_rss,
-    train,
-)
+from .common import JobSpec, global_batches, local_batch, machine, train
+from .metrics import current_rss, peak_rss, reset_peak_rss
 
 # system -> (module, trainer class); imported on demand so that only DeepSpeed's own jobs
 # import DeepSpeed (its import alone costs seconds and memory).

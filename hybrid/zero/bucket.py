@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..tensor_parallel import parameter_shards
+
 
 @dataclass(frozen=True)
 class Kind:
@@ -144,3 +146,24 @@ def group_units(unit_numels: Sequence[int], max_numel: int | None) -> list[list[
             groups.append([index])
             size = numel
     return groups
+
+
+def build_buckets(
+    model: nn.Module,
+    units: list[nn.Module],
+    dp_size: int,
+    dp_rank: int,
+    max_numel: int | None = None,
+) -> list[FlatBucket]:
+    """Bucket 0: the parameters outside every unit; then the units, one per bucket, or,
+    with `max_numel`, consecutive units together while they fit. Works on meta
+    parameters, so a layout can be planned for any dp without memory."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    split = set(parameter_shards(model))
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    groups = [[(names[id(p)], p) for p in model.parameters() if id(p) not in in_units]]
+    per_unit = [[(names[id(p)], p) for p in unit.parameters()] for unit in units]
+    numels = [sum(p.numel() for _, p in params) for params in per_unit]
+    for indices in group_units(numels, max_numel):
+        groups.append([item for i in indices for item in per_unit[i]])
+    return [FlatBucket(g, split, dp_size, dp_rank) for g in groups]

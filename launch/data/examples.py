@@ -16,8 +16,6 @@ the next. The set is small enough to tokenize into memory once per run.
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from models.gpt import IGNORE_INDEX
+
+from .jsonl import read_jsonl
 
 PROMPT, COMPLETION = "prompt", "completion"
 
@@ -109,21 +109,12 @@ def read_examples(paths: list[Path], tokenizer: PreTrainedTokenizerBase, window:
 
 
 def _records(path: Path, check: bool) -> Iterator[tuple[int, object]]:
-    """(line number, record) of a jsonl file, blank lines skipped; with `check`, a line that
-    is not a JSON object of string `prompt` and `completion` is an error naming the line."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
-            if check:
-                _check_record(record, where)
-            yield number, record
+    """(line number, record) of a jsonl file; with `check`, a record that is not a JSON
+    object of string `prompt` and `completion` is an error naming the line."""
+    for number, record in read_jsonl(path):
+        if check:
+            _check_record(record, f"{path}:{number}")
+        yield number, record
 
 
 def _check_record(record: object, where: str) -> None:

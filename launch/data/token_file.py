@@ -9,7 +9,6 @@ and renamed when complete: a crash mid-build leaves no half file behind.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -22,6 +21,9 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from hybrid.checkpoint_files import file_sha256
+
+from .jsonl import read_jsonl
 from .tokenizers import ASSETS, tokenizer_fingerprint
 
 BUNDLED_CORPUS = ASSETS / "shakespeare.txt.gz"
@@ -119,7 +121,7 @@ def build_token_file(
         "dtype": dtype.name,
         "n_tokens": int(tokens.size),
         "n_bytes": int(tokens.nbytes),
-        "sha256": _sha256(folder / "tokens.bin"),
+        "sha256": file_sha256(folder / "tokens.bin"),
         "vocab": n_ids,
         "files": [str(p) for p in paths],
     }
@@ -132,17 +134,12 @@ def _unreadable(path: Path, kind: str, error: Exception) -> str:
     """What is wrong with a file datasets could not read: for jsonl, the first line that
     is not a JSON object."""
     if kind == "json":
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as bad:
-                    return f"{path}:{number}: not valid JSON ({bad.msg}); fix or remove the line"
+        try:
+            for number, record in read_jsonl(path):
                 if not isinstance(record, dict):
                     return f"{path}:{number}: a record must be a JSON object"
+        except (ValueError, UnicodeDecodeError) as bad:
+            return str(bad)
     return f"{path}: not a readable {kind} file ({type(error).__name__}: {error})"
 
 
@@ -161,7 +158,7 @@ def _cached_token_file(folder: Path) -> TokenFile | None:
             problem = "tokens.bin is missing"
         elif path.stat().st_size != meta["n_bytes"]:
             problem = f"tokens.bin has {path.stat().st_size} bytes, not {meta['n_bytes']}"
-        elif _sha256(path) != meta["sha256"]:
+        elif file_sha256(path) != meta["sha256"]:
             problem = "tokens.bin does not match its recorded SHA-256"
     except (ValueError, KeyError, TypeError) as error:
         problem = f"meta.json is unreadable ({error})"
@@ -169,14 +166,6 @@ def _cached_token_file(folder: Path) -> TokenFile | None:
         return token_file
     warnings.warn(f"token cache {folder} is corrupt: {problem}; rebuilding it", stacklevel=3)
     return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _encode(

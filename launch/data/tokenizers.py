@@ -64,6 +64,12 @@ def train_bpe_tokenizer(
     return _wrap(bpe)
 
 
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `load_tokenizer_folder` finds a tokenizer there."""
+    folder = Path(folder).expanduser()
+    return (folder / "tokenizer.json").is_file() or (folder / "merges.txt").is_file()
+
+
 def load_tokenizer_folder(folder: str | Path) -> PreTrainedTokenizerBase:
     """A local Hugging Face tokenizer folder; never reaches the hub."""
     folder = Path(folder).expanduser()
@@ -72,7 +78,7 @@ def load_tokenizer_folder(folder: str | Path) -> PreTrainedTokenizerBase:
             f"data.tokenizer={str(folder)!r} is neither 'gpt2', 'bpe' nor an existing "
             "tokenizer folder (one with tokenizer.json, or vocab.json and merges.txt)"
         )
-    if not (folder / "tokenizer.json").is_file() and (folder / "merges.txt").is_file():
+    if has_tokenizer(folder) and not (folder / "tokenizer.json").is_file():
         return byte_level_bpe(folder)  # GPT-2's original files, without a tokenizer.json
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
