@@ -16,6 +16,17 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+# A fork server imports torch (and whatever `preload` names) once; each child is then forked
+# from it, single-threaded and clean, instead of re-importing everything (seconds a child).
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def preload(modules: list[str]) -> None:
+    """Modules the fork server imports before forking any child (call before the first
+    `run_processes`); children then start with them loaded."""
+    if START_METHOD == "forkserver":
+        mp.set_forkserver_preload(["torch", *modules])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,7 +34,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _child(
+    rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple, queue: Any
+) -> None:
+    os.environ.clear()  # the parent's environment now, not the fork server's at its start
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -33,6 +48,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
+    torch.set_num_threads(1)  # torch was imported before OMP_NUM_THREADS was set (fork server)
     try:
         # Bytes, not tensors: a tensor sent through a queue lives in this process's shared
         # memory, which is gone once this process exits.
@@ -46,11 +62,12 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_processes(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240) -> list[Any]:
     """Return [fn(*args) on rank 0, ..., on rank N-1]; raise with the first child traceback."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START_METHOD)
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_child, args=(rank, world_size, port, env, fn, args, queue), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:

@@ -7,11 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from hybrid.testing import preload
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # helpers: small_run, tp_cases, wandb_log
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for each rank
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Children of run_processes fork from a server that has these loaded: a child then starts in
+# milliseconds instead of importing torch, transformers and datasets again (most of the
+# suite's time on 2 cores).
+preload(["torch.distributed.checkpoint", "transformers", "datasets", "launch.pretrain"])
 
 
 @pytest.fixture(scope="session")
