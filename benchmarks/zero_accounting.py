@@ -5,7 +5,8 @@
 A GPT of about 10M parameters in bf16 (2-byte parameters and gradients, fp32 master and
 Adam moments: K = 12) runs one optimizer step at dp = 1, 2, 4 for each stage. Printed for
 rank 0: the model-state bytes the engine counts from its tensors against the formulas of
-hybrid.memory (ZeRO, arXiv 1910.02054, section 5), with Psi this TP rank's parameter count
+hybrid.memory (ZeRO, arXiv 1910.02054, section 5; at stage 1 the gradient shard, not the
+paper's full gradients: the engine frees them once reduced), with Psi this TP rank's count
 (the ratio column) and with Psi plus the buckets' padding (exact), and the bytes moved over
 DP in the step against 2 x 2 Psi (N-1)/N for stages 0-2 and 3 x 2 Psi (N-1)/N for stage 3
 (ring algorithms: an all-reduce of S bytes moves 2S(N-1)/N, a reduce-scatter or all-gather
@@ -22,7 +23,7 @@ import torch
 
 from hybrid.distributed import init_distributed, shutdown
 from hybrid.engine import Engine, EngineConfig
-from hybrid.memory import dp_traffic_bytes, model_state_bytes
+from hybrid.memory import dp_traffic_bytes, engine_state_bytes
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.testing import run_processes
 from hybrid.topology import Topology
@@ -96,8 +97,8 @@ def main() -> None:
         for r in ranks[0]:
             stage, psi, pad = r["stage"], r["psi"], r["padding"]
             measured = state_bytes(r)
-            expected = sum(model_state_bytes(stage, psi, dp).values())
-            exact = sum(model_state_bytes(stage, psi + pad, dp).values())
+            expected = sum(engine_state_bytes(stage, psi, dp).values())
+            exact = sum(engine_state_bytes(stage, psi + pad, dp).values())
             moved, moved_formula = r["moved"], dp_traffic_bytes(stage, psi, dp)
             lines.append(
                 f"| {stage} | {dp} | {psi:,} | {pad} | {measured:,} | {expected:,.0f} | "

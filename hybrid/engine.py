@@ -8,7 +8,9 @@
 ZeRO (Rajbhandari et al. 2020, section 5; DESIGN.md section 2), per DP group of one TP rank:
 - stage 0: everything replicated; gradients all-reduced once per step;
 - stage 1: fp32 master weights and Adam moments only for this rank's 1/dp shard; gradients
-  reduce-scattered, the optimizer steps on the shard, updated parameters all-gathered;
+  accumulated in full over the micro-batches, reduce-scattered during the last backward
+  (each bucket's full buffer released once reduced, as at stage 2), the optimizer steps on
+  the shard, updated parameters all-gathered;
 - stage 2: gradients kept only as shards: each bucket is reduce-scattered from gradient
   hooks during backward and its full gradients released at once;
 - stage 3: parameters kept only as shards (hybrid.zero.gather).
@@ -223,16 +225,17 @@ class Engine:
             out = torch.empty(bucket.shard_numel, dtype=self.dtype, device=self.device)
             handle = self.dp.reduce_scatter_into(out, flat)
         self._pending.append((k, handle, out, flat))
-        if self.stage >= 2:
+        if self.stage >= 1:
             state.grad_flat = None  # the pending entry keeps it alive until reduced
         if self.gatherer is not None:
             self.gatherer.free(k)
         self._note_buffers()
-        if self.stage >= 2:
+        if self.stage >= 1:
             # ZeRO-2's point is that full gradients never all exist at once (Rajbhandari
             # et al. 5.2): wait for the reduction issued one bucket earlier (done by now,
             # a layer's backward later) and free its full buffer, so at most two are in
-            # flight however many layers there are.
+            # flight however many layers there are. Stage 1 does the same in its one
+            # reducing backward: after it, only the shards it steps on remain.
             self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
@@ -250,7 +253,7 @@ class Engine:
     def _finish_reductions(self) -> None:
         self._drain(keep=0)
         self._note_buffers()
-        held = (s.grad_flat if self.stage < 2 else s.grad_shard for s in self.states)
+        held = (s.grad_flat if self.stage == 0 else s.grad_shard for s in self.states)
         self.grad_bytes = sum(nbytes(t) for t in held)
 
     # ---- the optimizer step ---------------------------------------------------------------

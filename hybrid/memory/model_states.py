@@ -13,6 +13,11 @@ The engine adds what the paper rounds away: every bucket is padded to a multiple
 the shards are equal (reduce-scatter and all-gather need that), and it holds transient
 communication buffers during backward. `zero_state_bytes` replays both from the sizes of
 the model's own parameters (bucket 0) and of its units (transformer layers).
+
+One departure: the paper's stage 1 keeps the full gradients (2 Psi). The engine needs them
+only while it accumulates over micro-batches; its reducing backward frees each bucket's
+full buffer once reduced, as stage 2 does, so after backward stage 1 holds the gradient
+shard (2 Psi / N) and the full gradients count as a transient buffer.
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ def model_state_bytes(
     }
 
 
+def engine_state_bytes(
+    stage: int, psi: int, dp: int, param_bytes: int = 2, k: int = ADAM_MIXED_K
+) -> dict[str, float]:
+    """The engine's model states after backward: the paper's, but the gradient shard at
+    stage 1 (see the module's docstring)."""
+    states = model_state_bytes(stage, psi, dp, param_bytes, k)
+    if stage == 1:
+        states["gradients"] = model_state_bytes(2, psi, dp, param_bytes, k)["gradients"]
+    return states
+
+
 def precision_bytes(precision: str) -> tuple[int, int]:
     """(bytes per parameter or gradient element, optimizer bytes per parameter K)."""
     if precision not in PRECISION_BYTES:
@@ -69,6 +85,7 @@ def zero_state_bytes(
     dp: int,
     precision: str = "bf16",
     bucket_mb: float = 25.0,
+    micro_batches: int = 1,
 ) -> dict[str, int]:
     """What `Engine.model_state_bytes()` reports on every rank, to the byte: parameters,
     gradients (when backward ends), optimizer states, and the peak of transient
@@ -76,31 +93,41 @@ def zero_state_bytes(
     element, k = precision_bytes(precision)
     numels = bucket_numels(root, units, stage, dp, precision, bucket_mb)
     padded = sum(numels)
-    states = model_state_bytes(stage, padded, dp, element, k)
+    states = engine_state_bytes(stage, padded, dp, element, k)
     result = {name: int(value) for name, value in states.items()}
-    result["buffers"] = buffer_bytes(numels, stage, dp, element)
+    result["buffers"] = buffer_bytes(numels, stage, dp, element, micro_batches)
     result["padding"] = padded - root - sum(units)
     return result
 
 
-def buffer_bytes(numels: Sequence[int], stage: int, dp: int, element: int) -> int:
-    """Peak bytes of the engine's transient communication buffers in one backward.
+def buffer_bytes(
+    numels: Sequence[int], stage: int, dp: int, element: int, micro_batches: int = 1
+) -> int:
+    """Peak bytes of the engine's transient communication buffers in one step.
 
     The engine issues each bucket's reduction from gradient hooks as soon as the bucket
-    is complete:
+    is complete, in every backward at stages 2-3 and in the last one at stage 1:
     - stage 0: the all-reduce works in the persistent gradient buffer: nothing extra;
-    - stage 1: the reduce-scatter output (this rank's shard) of every bucket, all waited
-      for when backward ends;
-    - stages 2-3: at most two buckets' reductions in flight (each a full gradient buffer
+    - stages 1-3: at most two buckets' reductions in flight (each a full gradient buffer
       and its shard output): issuing bucket k waits for bucket k + 1's and frees it.
-      Stage 3 adds the gathered parameters. Replayed event by event (`_backward_peak`).
+      Stage 3 adds the gathered parameters. Replayed event by event (`_backward_peak`);
+    - stage 1 over several micro-batches: every bucket's full buffer, accumulating, when
+      the last backward issues its first two reductions (`_accumulated_peak`).
     """
     shards = [n // dp for n in numels]
     if stage == 0:
         return 0
-    if stage == 1:
-        return element * sum(shards)
+    if stage == 1 and micro_batches > 1:
+        return element * _accumulated_peak(numels, shards)
     return element * _backward_peak(numels, shards, gathers=stage == 3)
+
+
+def _accumulated_peak(numels: Sequence[int], shards: Sequence[int]) -> int:
+    """Stage 1's last backward starts with every bucket's full gradient held; buckets
+    complete from the last unit to bucket 0, and the second reduction issued is the moment
+    before the first is waited for and its full buffer freed."""
+    order = [*range(len(numels) - 1, 0, -1), 0]
+    return sum(numels) + sum(shards[k] for k in order[:2])
 
 
 def _backward_peak(numels: Sequence[int], shards: Sequence[int], gathers: bool) -> int:

@@ -175,7 +175,13 @@ def plan(
     if params.exact:
         states: dict[str, float] = dict(
             zero_state_bytes(
-                params.root, params.units, stage, dp, layout.precision, layout.bucket_mb
+                params.root,
+                params.units,
+                stage,
+                dp,
+                layout.precision,
+                layout.bucket_mb,
+                layout.micro_batches,
             )
         )
         padding: int | None = int(states.pop("padding"))

@@ -2,11 +2,12 @@
 no formulas: hybrid.memory predicts these numbers and tests/test_plan.py compares them).
 
 - model states: parameters (the flat buffers at stages 0-2, the shards at 3), gradients
-  when the last backward ended (the full flat buffers at stages 0-1, the reduced shards at
-  2-3), optimizer (the fp32 master where it is not the parameters themselves, and Adam's
+  when the last backward ended (the full flat buffers at stage 0, the reduced shards at
+  1-3), optimizer (the fp32 master where it is not the parameters themselves, and Adam's
   moments);
-- transient buffers, whose peak the Engine tracks: full gradient buckets in flight
-  (stages 2-3), reduce-scatter outputs (stage 1), gathered parameters (stage 3).
+- transient buffers, whose peak the Engine tracks: full gradient buckets (accumulating
+  over micro-batches at stage 1, in flight at stages 1-3), reduce-scatter outputs not yet
+  folded into the shards, gathered parameters (stage 3).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def transient_bytes(
     inputs and outputs, gradient buffers or shards that are not the persistent ones, and
     at stage 3 the gathered parameters."""
     persistent = {id(s.param_storage) for s in states}
-    if stage < 2:
+    if stage == 0:
         persistent |= {id(s.grad_flat) for s in states}
     else:
         persistent |= {id(s.grad_shard) for s in states}

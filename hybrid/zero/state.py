@@ -23,7 +23,7 @@ class BucketState:
     param_flat: torch.Tensor | None
     param_shard: torch.Tensor
     master: torch.Tensor
-    grad_flat: torch.Tensor | None  # full gradients (persistent at stages 0-1)
+    grad_flat: torch.Tensor | None  # full gradients (persistent at stage 0)
     filled: list[bool]  # which parameters' gradients are in grad_flat this step
     grad_shard: torch.Tensor | None = None  # reduced gradients of this rank's shard
     exp_avg: torch.Tensor | None = None  # Adam's moments over the master shard (fp32)
@@ -72,7 +72,7 @@ def materialise(
             value = initial_value(model, bucket.names[i], bucket.params[i]).reshape(-1)
             shard[offset : offset + end - start] = value[start:end]
     master = shard if dtype == torch.float32 else shard.float()
-    grads = torch.zeros(bucket.numel, dtype=dtype, device=device) if stage < 2 else None
+    grads = torch.zeros(bucket.numel, dtype=dtype, device=device) if stage == 0 else None
     state = BucketState(flat, shard, master, grads, [False] * len(bucket.params))
     state.exp_avg, state.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     return state
