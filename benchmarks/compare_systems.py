@@ -54,7 +54,7 @@ def plan(bench: BenchConfig, recompute: list[bool], systems: set[str]) -> list[J
         specs += [job("ours"), job("plain")]
         for stage in range(4):
             specs += [job("ours", dp=2, stage=stage), job("deepspeed", dp=2, stage=stage)]
-            specs += [job("ddp", dp=2)] if stage == 0 else []
+            specs += [job("ddp", dp=2), job("floor", dp=2)] if stage == 0 else []
             specs += [job("fsdp2", dp=2, stage=3)] if stage == 3 else []
         specs += [job("ours", tp=2), job("dtensor_tp", tp=2)]
         specs += [job("ours", dp=2, tp=2, stage=3), job("fsdp2_tp", dp=2, tp=2, stage=3)]

@@ -15,12 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` 
 from benchmarks.compare.common import (
     SEED,
     BenchConfig,
+    JobSpec,
     global_batches,
     initial_state,
     local_batch,
 )
 from benchmarks.compare.metrics import CommCounter
 from benchmarks.compare.plain_gpt import PlainGPT, from_state
+from benchmarks.compare.report import Row, acceptance, best_peer, table
 from models.gpt import GPT, GPTConfig
 
 BENCH = BenchConfig(n_layer=2, n_head=4, d_model=64, seq_len=32, global_batch=4, steps=2)
@@ -113,3 +115,32 @@ def test_comm_counter_sees_every_path_to_a_process_group() -> None:
     assert counts["all_reduce"] == {"all_reduce": 40}
     assert counts["redistribute"] == {"all_gather": 8 * 4 * 4}  # the gathered tensor
     assert counts["ddp"] == {"all_reduce": 4 * 4 * 4}  # one bucket: the weight's gradient
+
+
+def _row(system: str, stage: int, time_s: float, losses: list[float], dp: int = 2) -> Row:
+    spec = JobSpec(system, dp=dp, stage=stage, bench=BENCH)
+    rank = {
+        "median_time": time_s,
+        "losses": losses,
+        "tp_rank": 0,
+        "peak_rss": 1,
+        "memory": {"total": 1},
+        "comm": {"total_bytes": 1},
+    }
+    return Row(spec, rounds=[[rank, rank]])
+
+
+def test_the_floor_is_a_bound_not_a_peer_and_its_losses_are_not_compared() -> None:
+    plain = _row("plain", 0, 0.6, [2.0, 1.0], dp=1)
+    ours = _row("ours", 0, 0.35, [2.0, 1.0])
+    deepspeed = _row("deepspeed", 0, 0.34, [2.0, 1.0])
+    floor = _row("floor", 0, 0.30, [2.0, 1.7])  # unsynchronised: another trajectory
+    rows = [plain, ours, deepspeed, floor]
+    assert best_peer(rows, ours) is deepspeed
+    checks = "\n".join(acceptance(rows))
+    loss_line = next(line for line in checks.splitlines() if "losses agree" in line)
+    assert loss_line.endswith("| 0.0e+00 | <= 1.0e-05 | PASS |"), loss_line
+    assert "no-communication floor / DeepSpeed stage 0 | 0.8824" in checks
+    assert "| ours / DeepSpeed stage 0, time | 1.0294 | <= 0.9000 | FAIL |" in checks
+    floor_line = next(line for line in table(rows) if line.startswith("| floor"))
+    assert "(unsynchronised) | n/a" in floor_line

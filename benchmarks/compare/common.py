@@ -89,9 +89,10 @@ class BenchConfig:
         return int(self.bucket_mb * 2**20 / (2 if self.bf16 else 4))
 
 
-# Systems and their families. `ours` covers every layout of our engine.
+# Systems and their families. `ours` covers every layout of our engine; `floor` is no
+# system but a bound: the plain loop on every DP rank with no communication at all.
 PEERS = ("plain", "ddp", "fsdp2", "dtensor_tp", "fsdp2_tp", "deepspeed")
-SYSTEMS = ("ours", *PEERS)
+SYSTEMS = ("ours", *PEERS, "floor")
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class JobSpec:
             "ours": f"ours stage {self.stage}",
             "deepspeed": f"DeepSpeed stage {self.stage}",
             "plain": "plain PyTorch",
+            "floor": "floor: plain PyTorch per rank, no communication",
             "ddp": "DDP",
             "fsdp2": "FSDP2",
             "dtensor_tp": "DTensor TP + loss_parallel",

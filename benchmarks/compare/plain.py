@@ -1,4 +1,6 @@
-"""The overhead reference: one process, the plain-PyTorch twin, torch AdamW, no wrapper."""
+"""The references: the plain-PyTorch twin with torch AdamW and no wrapper, in one process
+(the overhead reference), or on each DP rank with nothing synchronised (the floor: what
+any DP system would take if communication and its bookkeeping were free)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .common import JobSpec, adamw_groups, initial_state, make_adamw
 from .plain_gpt import from_state
@@ -38,8 +41,10 @@ class ModuleTrainer:
 
 class PlainTrainer(ModuleTrainer):
     def __init__(self, spec: JobSpec, device: torch.device) -> None:
-        if spec.world != 1:
+        if spec.system == "plain" and spec.world != 1:
             raise ValueError("the plain loop runs in one process")
+        if spec.tp != 1:
+            raise ValueError("the floor is the plain loop on each DP rank: tp must be 1")
         bench = spec.bench
         self.model = from_state(bench.gpt_config(), initial_state(bench), spec.recompute)
         self.model.to(device)
@@ -48,7 +53,10 @@ class PlainTrainer(ModuleTrainer):
         )
         self.clip = bench.grad_clip
         self.device_type, self.bf16 = device.type, bench.bf16
-        self.dp_rank = self.tp_rank = 0
+        # The floor: this rank trains on its own rows of the global batch and never meets
+        # the others, so its losses and weights drift apart from the real run's.
+        self.dp_rank = dist.get_rank() if spec.system == "floor" else 0
+        self.tp_rank = 0
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         autocast = (

@@ -66,14 +66,41 @@ def max_relative_difference(losses: list[float], reference: list[float]) -> floa
 
 
 def best_peer(rows: list[Row], row: Row) -> Row | None:
-    peers = [r for r in rows if r.ok and r.spec.system != "ours" and r.spec.group == row.spec.group]
+    peers = [
+        r
+        for r in rows
+        if r.ok and r.spec.system not in ("ours", "floor") and r.spec.group == row.spec.group
+    ]
     return min(peers, key=lambda r: r.step_time) if peers else None
+
+
+def floor_of(rows: list[Row], spec: JobSpec) -> Row | None:
+    """The no-communication floor of `spec`'s DP layout (any stage: it has none)."""
+    for r in rows:
+        s = r.spec
+        if (
+            r.ok
+            and s.system == "floor"
+            and (s.dp, s.tp, s.recompute)
+            == (
+                spec.dp,
+                spec.tp,
+                spec.recompute,
+            )
+        ):
+            return r
+    return None
+
+
+def synchronised(rows: list[Row]) -> list[Row]:
+    """The rows that train one model together (not the floor's independent replicas)."""
+    return [r for r in rows if r.ok and r.spec.system != "floor"]
 
 
 def reference_losses(rows: list[Row]) -> list[float] | None:
     """The plain loop without recomputation, else any configuration that ran."""
     plain = [r for r in rows if r.ok and r.spec.system == "plain" and not r.spec.recompute]
-    ran = plain or [r for r in rows if r.ok]
+    ran = plain or synchronised(rows)
     return ran[0].losses if ran else None
 
 
@@ -95,10 +122,13 @@ def table(rows: list[Row]) -> list[str]:
             if peer:
                 ratio = f"{row.step_time / peer.step_time:.3f} ({peer.spec.label.split(',')[0]})"
         diff = max_relative_difference(row.losses, reference) if reference else float("nan")
+        loss, shown = f"{row.losses[-1]:.6f}", f"{diff:.1e}"
+        if row.spec.system == "floor":  # replicas that never synchronise: another model
+            loss, shown, ratio = "(unsynchronised)", "n/a", ""
         lines.append(
             f"| {row.spec.label} | {row.step_time * 1e3:.1f} | {row.tokens_per_s:,.0f} "
             f"| {row.peak_rss / MB:.0f} | {row.state_bytes / MB:.2f} "
-            f"| {row.comm_bytes / MB:.2f} | {row.losses[-1]:.6f} | {diff:.1e} | {ratio} |"
+            f"| {row.comm_bytes / MB:.2f} | {loss} | {shown} | {ratio} |"
         )
     return lines
 
@@ -122,7 +152,7 @@ def acceptance(rows: list[Row]) -> list[str]:
     reference = reference_losses(rows)
     if reference:
         worst = max(
-            (max_relative_difference(r.losses, reference), r.spec.label) for r in rows if r.ok
+            (max_relative_difference(r.losses, reference), r.spec.label) for r in synchronised(rows)
         )
         bf16 = any(r.spec.bench.bf16 for r in rows)
         tolerance = LOSS_TOLERANCE_BF16 if bf16 else LOSS_TOLERANCE
@@ -143,6 +173,12 @@ def acceptance(rows: list[Row]) -> list[str]:
             if peer:
                 name = f"ours / DeepSpeed stage {spec.stage}"
                 check(f"{name}, time{suffix}", ours.step_time / peer.step_time, 0.9)
+                floor = floor_of(rows, spec)
+                if floor:  # the least any DP system could take here: not a target, a bound
+                    lines.append(
+                        f"| (bound) no-communication floor / DeepSpeed stage {spec.stage}"
+                        f"{suffix} | {floor.step_time / peer.step_time:.4f} | | |"
+                    )
                 check(f"{name}, model states{suffix}", ours.state_bytes / peer.state_bytes, 1.0)
                 check(f"{name}, peak RSS{suffix}", ours.peak_rss / peer.peak_rss, 1.0)
             fsdp = _find(rows, "fsdp2", spec) if spec.stage == 3 else None

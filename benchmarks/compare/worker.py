@@ -28,6 +28,7 @@ from .metrics import current_rss, peak_rss, reset_peak_rss
 RUNNERS = {
     "ours": ("ours", "OursTrainer"),
     "plain": ("plain", "PlainTrainer"),
+    "floor": ("plain", "PlainTrainer"),
     "ddp": ("torch_peers", "TorchTrainer"),
     "fsdp2": ("torch_peers", "TorchTrainer"),
     "dtensor_tp": ("torch_peers", "TorchTrainer"),

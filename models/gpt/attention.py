@@ -45,8 +45,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.group
         parts = rearrange(self.qkv(x), "s b (kv p d) -> p b kv s d", kv=self.local_kv, p=g + 2)
-        q = parts[0] if g == 1 else rearrange(parts[:g], "g b kv s d -> b (kv g) s d")
-        k, v = parts[g], parts[g + 1]
+        # One split, not three indexings: its backward is one concatenation, where each
+        # index's backward would zero a QKV-sized gradient and the three would be summed.
+        queries, k, v = parts.split([g, 1, 1])
+        q = rearrange(queries, "g b kv s d -> b (kv g) s d")
+        k, v = k.squeeze(0), v.squeeze(0)
         if self.rope_theta is not None:
             # The QKV projection gathered the sequence (under sequence parallelism too), so
             # q and k hold the whole sequence: positions 0 .. s-1.
