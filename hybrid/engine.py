@@ -345,8 +345,10 @@ class Engine:
             if state.master is not state.param_shard:
                 state.param_shard.copy_(state.master)
         if self.stage in (1, 2):
+            # In place: the shard is this rank's slice of the output, where the gather
+            # puts it anyway (NCCL documents this case; gloo copies it onto itself).
             handles = [
-                self.dp.all_gather_into(state.param_flat, state.param_shard.clone())
+                self.dp.all_gather_into(state.param_flat, state.param_shard)
                 for state in self.states
             ]
             for handle in handles:
