@@ -3,10 +3,11 @@ as benchmarks/compare_systems.py runs, split into the kernels every system share
 what each adds.
 
     python benchmarks/profile_systems.py [--stages 0 1 2 3 --systems ours deepspeed floor]
+    python benchmarks/profile_systems.py --single --out benchmarks/profile_single.md
 
-writes benchmarks/profile.md.
+writes benchmarks/profile.md (`--single`: ours at stage 0 and the plain loop, one process).
 
-Per system (rank 0, one thread, dp=2, the benchmark's model and batches): the median
+Per system (rank 0, one thread, dp=2 or one process, the benchmark's model and batches): the median
 step, and per step the self CPU time of
 - GEMM (aten::mm, addmm, bmm) and attention (scaled_dot_product_*): the model's math,
   the same kernels on the same shapes in every system (ours runs its own GPT, the others
@@ -97,6 +98,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--systems", nargs="+", default=["ours", "deepspeed", "floor"])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--single", action="store_true", help="ours and plain, one process")
+    parser.add_argument("--recompute", action="store_true", help="full recompute")
     parser.add_argument("--out", type=Path, default=HERE / "profile.md")
     args = parser.parse_args()
     bench = BenchConfig(steps=args.steps)
@@ -105,7 +108,7 @@ def main() -> None:
     lines = [
         "# Where the step goes",
         "",
-        f"Command: `{command}`. dp=2, rank 0, one thread per rank, ms per step "
+        f"Command: `{command}`. Rank 0, one thread per rank, ms per step "
         f"({args.steps} profiled steps after 2 warm-up; the profiler adds its own overhead "
         "to every system alike). Columns: see the script's docstring.",
         "",
@@ -113,12 +116,18 @@ def main() -> None:
         "|---" * (len(columns) + 2) + "|",
     ]
     specs = []
-    for stage in args.stages:
-        specs += [JobSpec(s, dp=2, stage=stage, bench=bench) for s in args.systems if s != "floor"]
-    if "floor" in args.systems:
-        specs.append(JobSpec("floor", dp=2, bench=bench))
+    for stage in [] if args.single else args.stages:
+        specs += [
+            JobSpec(s, dp=2, stage=stage, recompute=args.recompute, bench=bench)
+            for s in args.systems
+            if s != "floor"
+        ]
+    if "floor" in args.systems and not args.single:
+        specs.append(JobSpec("floor", dp=2, recompute=args.recompute, bench=bench))
+    if args.single:
+        specs = [JobSpec(s, recompute=args.recompute, bench=bench) for s in ("ours", "plain")]
     for spec in specs:
-        result = run_processes(profile_job, 2, spec, timeout_s=600)[0]
+        result = run_processes(profile_job, spec.world, spec, timeout_s=600)[0]
         cells = " | ".join(f"{result['ms'].get(c, 0.0):.1f}" for c in columns)
         lines.append(f"| {spec.label} | {result['step_ms']:.1f} | {cells} |")
         print(lines[-1], flush=True)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +62,28 @@ def _child(
         raise
 
 
+def _next_message(queue: Any, procs: list, results: dict, deadline: float) -> tuple:
+    """The next child's report. A child that died without one (killed, or unable even to
+    start, e.g. a script without the `if __name__ == "__main__"` guard) is named at once
+    instead of costing the whole timeout; its last words are read first if they came."""
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_module.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+        if dead:
+            try:
+                return queue.get(timeout=2.0)
+            except queue_module.Empty:
+                code = procs[dead[0]].exitcode
+                raise AssertionError(
+                    f"rank {dead[0]} exited with code {code} before reporting"
+                ) from None
+        if time.monotonic() > deadline:
+            raise TimeoutError("not every rank reported before the timeout")
+
+
 def run_processes(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240) -> list[Any]:
     """Return [fn(*args) on rank 0, ..., on rank N-1]; raise with the first child traceback."""
     ctx = mp.get_context(START_METHOD)
@@ -73,9 +97,10 @@ def run_processes(fn: Callable, world_size: int, *args: Any, timeout_s: float = 
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout_s)
+        while len(results) < world_size:
+            rank, status, value = _next_message(queue, procs, results, deadline)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=True)
