@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: `benchmarks.compare
 import torch  # noqa: E402
 
 from benchmarks.compare.common import BenchConfig, JobSpec, global_batches, local_batch  # noqa: E402
-from benchmarks.compare.worker import RUNNERS  # noqa: E402
+from benchmarks.compare.worker import trainer_class_of  # noqa: E402
 from hybrid.distributed import init_distributed, shutdown  # noqa: E402
 from hybrid.testing import run_processes  # noqa: E402
 
@@ -60,14 +60,10 @@ def category(name: str) -> str:
 
 def profile_job(spec: JobSpec) -> dict:
     """On every rank: two warm-up steps, then `spec.bench.steps` profiled ones."""
-    import importlib
-
     env = init_distributed()
     torch.set_num_threads(1)
     try:
-        module_name, class_name = RUNNERS[spec.system]
-        module = importlib.import_module(f"benchmarks.compare.{module_name}")
-        trainer = getattr(module, class_name)(spec, torch.device("cpu"))
+        trainer = trainer_class_of(spec.system)(spec, torch.device("cpu"))
         batches = [local_batch(b, trainer.dp_rank, spec.dp) for b in global_batches(spec.bench)]
         for x, y in batches[: spec.bench.warmup]:
             trainer.forward_backward(x, y)

@@ -118,7 +118,7 @@ class Engine:
             self.gatherer = ParameterGatherer(
                 self.buckets, [s.param_shard for s in self.states], self.dp, self.dtype, device
             )
-            self._hook_stage3(model, units)
+            self.gatherer.hook(model, units)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """torch AdamW over the master shard's kind segments: decay and no-decay groups.
@@ -354,32 +354,7 @@ class Engine:
             for handle in handles:
                 handle.wait()
 
-    # ---- stage 3: parameters as shards ----------------------------------------------------
-
-    def _hook_stage3(self, model: nn.Module, units: list[nn.Module]) -> None:
-        """Gather before forward and before backward, free after each; prefetch the next
-        bucket in the direction of travel (bucket 0 is the model's own, 1.. the units)."""
-        gatherer = self.gatherer
-        assert gatherer is not None
-        last = len(units)
-
-        def before(index: int, following: int) -> None:
-            gatherer.gather(index)
-            gatherer.prefetch(following)
-
-        def after_forward(index: int, output: Any, backward_next: int) -> None:
-            gatherer.free(index)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda grad: (before(index, backward_next), grad)[1])
-
-        model.register_forward_pre_hook(lambda m, a: before(0, 1 if units else -1))
-        model.register_forward_hook(lambda m, a, out: after_forward(0, out, last))
-        for index, unit in enumerate(units, start=1):
-            backward_next = index - 1 if index > 1 else -1  # bucket 0 is already held
-            unit.register_forward_pre_hook(lambda m, a, i=index: before(i, i + 1))
-            unit.register_forward_hook(
-                lambda m, a, out, i=index, n=backward_next: after_forward(i, out, n)
-            )
+    # ---- stage 3: gathering for a full state ---------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as the tp=1, dp=1 model has it (gathered across DP and TP);

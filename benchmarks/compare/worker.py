@@ -37,12 +37,17 @@ RUNNERS = {
 }
 
 
+def trainer_class_of(system: str) -> type:
+    """The trainer class of `system`, importing only its own module."""
+    module_name, class_name = RUNNERS[system]
+    return getattr(importlib.import_module(f"{__package__}.{module_name}"), class_name)
+
+
 def run(spec: JobSpec, out: Path) -> dict:
     # torchrun gives every local rank OMP_NUM_THREADS=1 when it starts several; the driver
     # sets it for one-process jobs too, so every rank computes on one thread.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    module_name, class_name = RUNNERS[spec.system]
-    trainer_class = getattr(importlib.import_module(f"{__package__}.{module_name}"), class_name)
+    trainer_class = trainer_class_of(spec.system)
     env = init_distributed()
     if env.world_size != spec.world:
         raise ValueError(f"launched {env.world_size} processes for a job of {spec.world}")

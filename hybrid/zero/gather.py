@@ -15,7 +15,10 @@ regathered values.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 from ..comm import Group, Handle
 from .bucket import FlatBucket
@@ -36,6 +39,29 @@ class ParameterGatherer:
         self._inflight: dict[int, tuple[Handle, torch.Tensor]] = {}
         for index in range(len(buckets)):
             self.free(index)
+
+    def hook(self, model: nn.Module, units: list[nn.Module]) -> None:
+        """Gather before forward and before backward, free after each; prefetch the next
+        bucket in the direction of travel (bucket 0 is the model's own, 1.. the units)."""
+        last = len(units)
+
+        def before(index: int, following: int) -> None:
+            self.gather(index)
+            self.prefetch(following)
+
+        def after_forward(index: int, output: Any, backward_next: int) -> None:
+            self.free(index)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: (before(index, backward_next), grad)[1])
+
+        model.register_forward_pre_hook(lambda m, a: before(0, 1 if units else -1))
+        model.register_forward_hook(lambda m, a, out: after_forward(0, out, last))
+        for index, unit in enumerate(units, start=1):
+            backward_next = index - 1 if index > 1 else -1  # bucket 0 is already held
+            unit.register_forward_pre_hook(lambda m, a, i=index: before(i, i + 1))
+            unit.register_forward_hook(
+                lambda m, a, out, i=index, n=backward_next: after_forward(i, out, n)
+            )
 
     def prefetch(self, index: int) -> None:
         """Start gathering bucket `index` (no-op if out of range, gathered or under way)."""
