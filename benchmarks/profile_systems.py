@@ -4,6 +4,7 @@ what each adds.
 
     python benchmarks/profile_systems.py [--stages 0 1 2 3 --systems ours deepspeed floor]
     python benchmarks/profile_systems.py --single --out benchmarks/profile_single.md
+    python benchmarks/profile_systems.py --quick     # the small model (3.3M parameters)
 
 writes benchmarks/profile.md (`--single`: ours at stage 0 and the plain loop, one process).
 
@@ -96,15 +97,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--single", action="store_true", help="ours and plain, one process")
     parser.add_argument("--recompute", action="store_true", help="full recompute")
+    parser.add_argument("--quick", action="store_true", help="the small model, as compare_systems")
     parser.add_argument("--out", type=Path, default=HERE / "profile.md")
     args = parser.parse_args()
-    bench = BenchConfig(steps=args.steps)
+    bench = (BenchConfig.quick if args.quick else BenchConfig)(steps=args.steps)
     columns = ["GEMM", "attention", OTHER, *list(CATEGORIES)[2:], "outside any operator"]
     command = " ".join([Path(sys.executable).name, *sys.argv])
     lines = [
         "# Where the step goes",
         "",
-        f"Command: `{command}`. Rank 0, one thread per rank, ms per step "
+        f"Command: `{command}`. {bench.parameter_count() / 1e6:.1f}M parameters "
+        f"({bench.n_layer} layers x d_model {bench.d_model}, {bench.global_batch} x "
+        f"{bench.seq_len} tokens per step). Rank 0, one thread per rank, ms per step "
         f"({args.steps} profiled steps after 2 warm-up; the profiler adds its own overhead "
         "to every system alike). Columns: see the script's docstring.",
         "",

@@ -138,7 +138,7 @@ def _state_dict(engine: Engine) -> dict[str, ShardedTensor]:
         for chunk in chunks:
             n = torch.Size(chunk.local_sizes).numel()
             for kind, flat in flats.items():
-                view = flat[chunk.flat_start : chunk.flat_start + n].view(chunk.local_sizes)
+                view = _own_storage(flat, chunk.flat_start, n).view(chunk.local_sizes)
                 for dim, size in enumerate(chunk.sizes):
                     view = view.narrow(dim, 0, size)
                 placement = f"rank:{rank}/{device}"
@@ -148,6 +148,18 @@ def _state_dict(engine: Engine) -> dict[str, ShardedTensor]:
         key: init_from_local_shards(shards, list(shapes[key.split(".", 1)[1]]))
         for key, shards in sorted(local.items())
     }
+
+
+def _own_storage(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """Elements [start, start + numel) of a contiguous flat tensor, as a tensor whose storage
+    is exactly that range of the same memory (no copy). DCP's writer clones any tensor whose
+    storage is larger than itself, and keeps every clone until its file is written: with
+    plain views of the flat buffers a save held a second copy of everything it wrote
+    (+0.32 GiB on a rank of an 85M-parameter fp32 run at stage 0)."""
+    size = flat.element_size()
+    offset = (flat.storage_offset() + start) * size
+    storage = flat.untyped_storage()[offset : offset + numel * size]
+    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, 0, (numel,))
 
 
 def save_checkpoint(

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .host_memory import release_freed_memory
+
 
 @dataclass(frozen=True)
 class DistributedEnv:
@@ -44,6 +46,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistributedEnv:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+        release_freed_memory()  # freed ZeRO buffers leave the resident set (host_memory)
     if world_size == 1:
         return DistributedEnv(0, 0, 1, device, None)
     timeout = datetime.timedelta(seconds=timeout_s)

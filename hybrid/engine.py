@@ -27,6 +27,8 @@ backward, so communication overlaps the rest of backward.
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Handle
-from .tensor_parallel import TensorParallel, named_full_tensors
+from .full_state import full_tensors
+from .tensor_parallel import TensorParallel
 from .topology import Topology
 from .zero.accounting import model_state_bytes, nbytes, transient_bytes
 from .zero.bucket import build_buckets, max_bucket_numel
@@ -110,8 +113,12 @@ class Engine:
         self.peak_buffer_bytes = 0
         self.grad_bytes = 0  # gradient bytes held when the last backward ended
         self.optimizer = self._make_optimizer()
+        # The hook holds the engine weakly: a parameter's hooks live where the garbage
+        # collector cannot see them, so a strong reference would keep every engine (and
+        # its shards) alive for as long as the model is, even after the engine is dropped.
+        engine = weakref.ref(self)
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(lambda param: engine()._on_grad(param))
 
         self.gatherer: ParameterGatherer | None = None
         if self.stage == 3:
@@ -347,29 +354,29 @@ class Engine:
         if self.stage in (1, 2):
             # In place: the shard is this rank's slice of the output, where the gather
             # puts it anyway (NCCL documents this case; gloo copies it onto itself).
-            handles = [
-                self.dp.all_gather_into(state.param_flat, state.param_shard)
-                for state in self.states
-            ]
-            for handle in handles:
+            # At most two in flight: gloo stages each gather's output in a buffer of its
+            # own until it is waited for, so issuing every bucket at once would hold a
+            # second copy of all the parameters (measured: +0.3 GB of peak RSS on an
+            # 85M-parameter fp32 rank).
+            pending: list[Handle] = []
+            for state in self.states:
+                if len(pending) == 2:
+                    pending.pop(0).wait()
+                pending.append(self.dp.all_gather_into(state.param_flat, state.param_shard))
+            for handle in pending:
                 handle.wait()
 
-    # ---- stage 3: gathering for a full state ---------------------------------------------
+    # ---- the full model (hybrid.full_state) ------------------------------------------------
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tp=1 tensor) for every parameter, one bucket gathered at a time; every
+        rank must run it to the end (hybrid.full_state.full_tensors)."""
+        return full_tensors(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter as the tp=1, dp=1 model has it (gathered across DP and TP);
-        every rank must call it."""
-        if self.gatherer is not None:
-            for index in range(len(self.buckets)):
-                self.gatherer.gather(index)
-        state = {
-            name: tensor.detach().contiguous().clone()
-            for name, tensor in named_full_tensors(self.module, self.tp.group)
-        }
-        if self.gatherer is not None:
-            for index in range(len(self.buckets)):
-                self.gatherer.free(index)
-        return state
+        """Every parameter as the tp=1, dp=1 model has it, copied: the whole model on every
+        rank, for tests and one-process tools. A run's own output streams `full_tensors`."""
+        return {name: tensor.clone() for name, tensor in full_tensors(self)}
 
     # ---- accounting (hybrid.zero.accounting) --------------------------------------------
 

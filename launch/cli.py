@@ -20,6 +20,7 @@ from .checkpointing import resume_from
 from .config import Config, ConfigError, validate_layout
 from .data.token_file import resolve_files
 from .data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
+from .memory_check import check_memory
 from .preemption import NonFiniteLoss
 from .training import train
 
@@ -51,6 +52,7 @@ def check_before_start(config: Config, world_size: int) -> int:
         )
     if config.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision=fp16 needs a CUDA device; use bf16 or fp32 on CPU")
+    check_memory(config, world_size, n_tokens)  # last: it plans a layout the checks accept
     return dp
 
 

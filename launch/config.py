@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from hybrid.memory.units import parse_bytes
 from hybrid.topology import check_layout
 from models.gpt import GPTConfig
 from models.gpt.model import check_tp_shapes
@@ -61,6 +62,12 @@ class TrainConfig:
     # A NaN or inf loss or gradient: skip that update on every rank with a warning, or stop
     # the job (exit code 3) without updating or saving.
     on_nonfinite: Literal["skip", "stop"] = "skip"
+    # The memory of one rank's device, e.g. 8GiB. Before start-up the planner's peak for the
+    # run's layout is compared with it (launch.memory_check); null: the GPU's size on CUDA,
+    # no check on CPU.
+    memory_limit: str | None = None
+    # A layout planned above the limit: stop before start-up (exit code 2), or warn and run.
+    memory_check: Literal["stop", "warn"] = "stop"
 
 
 @dataclass
@@ -326,6 +333,13 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.stop_at={t.stop_at} must be between 1 and train.steps={t.steps} (or null)"
         )
+    if t.memory_limit is not None:
+        try:
+            limit = parse_bytes(t.memory_limit, "train.memory_limit")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if limit <= 0:
+            raise ConfigError(f"train.memory_limit={t.memory_limit} must be positive")
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise ConfigError(
             f"model.vocab_size={m.vocab_size} must be positive (or null: from tokenizer)"

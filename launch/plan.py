@@ -11,7 +11,10 @@ it, and `--search` tries every value of the options not given (tp among the divi
 the GPU count, ZeRO stage, sequence parallelism, recomputation, micro-batch), listing the
 layouts that fit by estimated step time. `--params` plans a bare parameter count: the
 ZeRO paper's model-state analysis, without activations. The numbers come from
-hybrid.memory, which predicts the engine's own accounting to the byte (tests/test_plan.py).
+hybrid.memory: model states and buffers equal the engine's own accounting to the byte, and
+the peak of a step is within 10% of MemTracker's measurement of real steps
+(tests/test_plan.py, tests/test_plan_instrument.py). The total is that peak plus
+`--reserve`; `--backend gloo` plans a CPU run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid.memory import (
+    BACKENDS,
     RECOMPUTE_MODES,
     Hardware,
     Layout,
@@ -97,6 +101,7 @@ class Model:
             hardware=args.hardware,
             flops_per_token=flops,
             model_flops_per_token=model_flops,
+            backend=getattr(args, "backend", "nccl"),
         )
 
     def describe(self) -> str:
@@ -130,6 +135,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--bucket-mb", type=float, default=25.0, help="engine bucket size (MiB)")
     p.add_argument("--reserve", default="1GiB", help="kept free for CUDA context, NCCL, etc.")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="nccl",
+        help="collectives' backend (gloo: CPU runs; its reduce-scatter copies its input)",
+    )
     p.add_argument("--peak-tflops", type=float, default=312.0, help="per GPU (A100 bf16: 312)")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak achieved")
     p.add_argument("--intra-node-bandwidth", default="300GB/s", help="per GPU, NVLink")
@@ -264,7 +275,8 @@ def rank_key(p: Plan) -> tuple[bool, float, float]:
 
 def plot(path: Path, model: Model, args: argparse.Namespace, defaults: dict[str, Any]) -> None:
     """Memory per GPU against the DP degree for each ZeRO stage (ZeRO paper, Figure 1 and
-    Table 1): model states solid; with a model shape, the total dashed."""
+    Table 1): model states solid; with a model shape, the total (the step's peak plus
+    the reserve) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")

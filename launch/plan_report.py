@@ -37,10 +37,20 @@ def report(p: Plan, title: str, args: argparse.Namespace) -> str:
             row("  embedding and output", a["embedding"] + a["output"]),
             row("  loss and logits buffers", a["loss"] + a["loss_buffers"]),
         ]
+    lines.append(row("communication buffers", memory["buffers"], "their own peak, in backward"))
+    if p.peak is not None:  # the step's largest moment: these parts alive together
+        m = p.peak
+        lines += [
+            row("peak of a step", memory["peak"], f"at {m.name}:"),
+            row("  model states", m.model_states, "held then"),
+            row("  activations", m.activations, "alive then"),
+            row("  buffers", m.buffers, "gathered, in flight, step temporaries"),
+        ]
+    else:
+        lines.append(row("peak of a step", memory["peak"], "model states only"))
     lines += [
-        row("communication buffers", memory["buffers"], "peak, in backward"),
         row("reserved", memory["reserved"], "CUDA context, NCCL, fragmentation"),
-        row("= total (upper bound)", memory["total"]),
+        row("= total", memory["total"], "peak + reserved"),
     ]
     if p.gpu_memory is not None:
         free = p.gpu_memory - (memory["total"] or 0.0)

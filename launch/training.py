@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
 from hybrid.distributed import DistributedEnv, barrier
 from hybrid.engine import Engine, EngineConfig
+from hybrid.full_state import full_tensor_layout, write_safetensors
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
@@ -33,7 +33,9 @@ from .data import DistributedBatches, TokenWindows, eval_batches, load_tokenizer
 from .data.examples import is_prompt_completion, read_examples
 from .data.sampler import Samples
 from .data.token_file import resolve_files
+from .memory_check import planned_peak_bytes
 from .optim import lr_at
+from .peak_memory import PeakMemory, memory_summary
 from .preemption import NonFiniteLoss, Preemption
 from .tracking import Tracker, format_count, rotate_old_metrics, truncate_metrics
 from .trainer import eval_steps, evaluate, train_step
@@ -85,8 +87,8 @@ def build_model(
     resume: bool = False,
 ) -> GPT:
     """The GPT with the vocabulary sized from the tokenizer (padded to a multiple of 128,
-    Megatron's rule; the loss masks the padding), sliced for this TP rank. Under ZeRO-3 it
-    is built on the meta device and the Engine materialises only this rank's shard.
+    Megatron's rule; the loss masks the padding), sliced for this TP rank. It is built on
+    the meta device; the Engine materialises only what this rank keeps.
 
     Fine-tuning (`init_from`) keeps the checkpoint's exact vocabulary, every entry a real
     token, and its weights (unless a checkpoint of this run will replace them: `resume`).
@@ -134,8 +136,13 @@ def train(
     # TP regions from the TP stream (hybrid.tensor_parallel.random).
     torch.manual_seed(t.seed + 1)
     tp = TensorParallel.from_topology(topology, t.seed, p.sequence_parallel, env.device)
-    device = "meta" if p.zero_stage == 3 else env.device
+    # Built on the meta device at every stage: the Engine materialises each parameter
+    # straight into its bucket (stages 0-2) or shard (stage 3), so the model never exists
+    # twice on a rank (a model built on the device, then copied, peaked at 2x parameters).
+    device = "meta"
+    memory = PeakMemory(env.device)  # the baseline: what the run holds before its model
     model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
+    planned = planned_peak_bytes(config, model.config, env.world_size, env.device.type)
     engine = Engine(
         model,
         topology,
@@ -215,6 +222,8 @@ def train(
             range(start_step, stop),
             preemption,
             env,
+            memory,
+            planned,
         )
     finally:
         preemption.uninstall()
@@ -231,21 +240,15 @@ def train(
         return history
 
     sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
-    weights = engine.full_state_dict()  # every rank: gathers across TP and DP
+    write_final_weights(engine, config, data, run_dir, env.is_main)
+    peaks = memory.per_rank()  # every rank: the whole run's, final weights included
     if tracker is not None:
         tracker.finish()
-        if config.init_from is not None:  # fine-tuned: a folder from_pretrained loads
-            write_hf_folder(run_dir / "hf", weights, model.config)
-            data.tokenizer.save_pretrained(str(run_dir / "hf"))
-            print(f"exported the fine-tuned model to {run_dir / 'hf'}", flush=True)
-        else:
-            save_file(weights, str(run_dir / "model.safetensors"))
-            data.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
         if sample is not None:
             print(
                 f"--- sample ({config.sample.tokens} tokens) ---\n{sample}\n--- end of sample ---"
             )
-        print(summary_line(history, total_time, run_dir), flush=True)
+        print(summary_line(history, total_time, run_dir, peaks, planned), flush=True)
     return history
 
 
@@ -261,10 +264,13 @@ def _loop(
     steps: range,
     preemption: Preemption,
     env: DistributedEnv,
+    memory: PeakMemory,
+    planned: int | None,
 ) -> bool:
     """Train `steps`, appending each step's metrics to `history`; checkpoint every
     `checkpoint.every` steps and after the last. False when SIGTERM stopped it early
-    (after a checkpoint of the step it finished)."""
+    (after a checkpoint of the step it finished). Each step's metrics carry the largest
+    rank's peak memory so far beside the planner's peak for this layout."""
     t = config.train
     evaluate_after = set(eval_steps(t.steps, t.eval_every))
     tokens_per_step = t.global_batch_size * (t.seq_len or config.model.seq_len)
@@ -295,6 +301,10 @@ def _loop(
             metrics["skipped"] = True  # no update (fp16: and a lower loss scale)
         if step + 1 in evaluate_after:
             metrics["val_loss"] = evaluate(engine, val_set, topology.dp_group, env.device)
+        # After evaluation, so the line's peak covers it. The loss is reduced over DP only
+        # (a SUM), so the largest rank's peak takes its own MAX over the world.
+        metrics["peak_mem_bytes"] = memory.max_over_ranks()
+        metrics["planned_peak_bytes"] = planned
         history.append(metrics)
         if tracker is not None:
             tracker.log(metrics)
@@ -306,6 +316,30 @@ def _loop(
         if preempted:
             return False
     return True
+
+
+def write_final_weights(
+    engine: Engine, config: Config, data: RunData, run_dir: Path, is_main: bool
+) -> None:
+    """The trained weights at tp=1 on the main rank. Every rank walks the stream of full
+    tensors (one bucket gathered at a time, hybrid.full_state): a pretraining run writes
+    model.safetensors tensor by tensor, so no rank ever holds the whole model; a
+    fine-tuning run's Hugging Face export converts a complete state on the main rank."""
+    if config.init_from is not None:  # fine-tuned: a folder from_pretrained loads
+        weights = {name: tensor.clone() for name, tensor in engine.full_tensors() if is_main}
+        if is_main:
+            write_hf_folder(run_dir / "hf", weights, engine.module.config)
+            data.tokenizer.save_pretrained(str(run_dir / "hf"))
+            print(f"exported the fine-tuned model to {run_dir / 'hf'}", flush=True)
+        return
+    if not is_main:
+        for _ in engine.full_tensors():  # the collectives the main rank's writer needs
+            pass
+        return
+    write_safetensors(
+        run_dir / "model.safetensors", full_tensor_layout(engine), engine.full_tensors()
+    )
+    data.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
 
 
 def generate_sample(model: GPT, data: RunData, config: Config, env: DistributedEnv) -> str | None:
@@ -327,11 +361,20 @@ def generate_sample(model: GPT, data: RunData, config: Config, env: DistributedE
     return data.tokenizer.decode(out[0].tolist())
 
 
-def summary_line(history: list[dict[str, Any]], total_time: float, run_dir: Path) -> str:
+def summary_line(
+    history: list[dict[str, Any]],
+    total_time: float,
+    run_dir: Path,
+    peaks: list[int] | None = None,
+    planned: int | None = None,
+) -> str:
     vals = [m["val_loss"] for m in history if "val_loss" in m]
     speed = statistics.median(m["tokens_per_s"] for m in history)
     parts = [f"done: {len(history)} steps in {total_time:.0f}s", f"loss {history[-1]['loss']:.4f}"]
     if vals:
         parts.append(f"val_loss {vals[0]:.4f} -> {vals[-1]:.4f} ({vals[-1] / vals[0] - 1:+.0%})")
-    parts += [f"{format_count(speed)} tokens/s (median)", f"run_dir {run_dir}"]
+    parts.append(f"{format_count(speed)} tokens/s (median)")
+    if peaks:
+        parts.append(memory_summary(peaks, planned))
+    parts.append(f"run_dir {run_dir}")
     return " | ".join(parts)

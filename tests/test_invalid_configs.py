@@ -60,6 +60,14 @@ CASES = [
     ("zero collective timeout", 1, ["dist_timeout_s=0"], "dist_timeout_s=0.0 must be positive"),
     ("pretraining from a checkpoint folder", 1, ["init_from={tmp}"],
      "init_from is for fine-tuning"),
+    ("a layout planned above the memory limit", 2, ["train.memory_limit=30MiB"],
+     "exceeds train.memory_limit=30MiB (30.0 MiB)"),
+    ("a memory limit without a unit", 1, ["train.memory_limit=8"],
+     "train.memory_limit '8' has no unit; write 8GiB"),
+    ("a zero memory limit", 1, ["train.memory_limit=0GiB"],
+     "train.memory_limit=0GiB must be positive"),
+    ("an unknown memory check", 1, ["train.memory_check=maybe"],
+     "train.memory_check='maybe' is not allowed; choose one of stop|warn"),
 ]  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from zero_cases import meta_stage3_weights
 
 from hybrid.comm import VirtualGroup
 from hybrid.engine import build_buckets
-from hybrid.tensor_parallel import TensorParallel, TPRandom
+from hybrid.tensor_parallel import TensorParallel, TPRandom, parameter_shards
 from hybrid.testing import run_processes
 from launch.config import PRESET_DIR, load_config
 from models.gpt import GPT, GPTConfig, pad_vocab_size
@@ -43,14 +43,41 @@ def test_turing_nlg_shard_shapes_at_tp4_dp64_without_allocation() -> None:
     assert all(p.device.type == "meta" for p in model.parameters())  # still nothing allocated
 
 
+def tp_layout(config: GPTConfig, tp: int) -> tuple[dict[str, int], set[str]]:
+    """Per parameter, the elements one TP rank holds (padding included), and the names of
+    the TP-split parameters: shapes only (meta)."""
+    parallel = TensorParallel(VirtualGroup("tp", tp, 0), False, TPRandom(0, 0, torch.device("cpu")))
+    model = GPT(config, parallel, device="meta")
+    return {n: p.numel() for n, p in model.named_parameters()}, set(parameter_shards(model))
+
+
 def test_meta_model_materialised_at_stage3_equals_the_tp1_model() -> None:
-    """tp=2 x dp=2, ZeRO-3, built on meta: gathered weights equal the tp=1 model's, and each
-    rank allocated only its shard."""
+    """tp=2 x dp=2, ZeRO-3, built on meta: the gathered weights equal the tp=1 model's
+    bitwise; each rank holds only its shard, and draws only the random values of it.
+
+    The bound on the draws, per rank: the elements of its DP shard of its TP slice,
+    Psi_local / dp + one element per bucket (each bucket is padded to a multiple of dp),
+    where Psi_local is one TP rank's parameters, padding included (the split ones / tp,
+    a replicated one whole). And exactly: over all ranks, each random value of the tp=1
+    model is drawn once per TP rank that keeps it (once if split, tp times if replicated,
+    never for vocabulary padding), so no DP rank draws what another keeps."""
+    tp, dp, seed = 2, 2, 11
     config = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, vocab_size=203)
-    reference = GPT(config, seed=11).state_dict()
-    results = run_processes(meta_stage3_weights, 4, config, 11)
-    for weights, shard_elements in results:
+    tp1 = GPT(config, seed=seed)
+    reference = tp1.state_dict()
+    local, split = tp_layout(config, tp)
+    random_numel = {n: t.numel() for n, t in reference.items() if tp1._init_rule(n, t.shape).std}
+    n_buckets = config.n_layer + 1  # one per block, and the root bucket
+    bound = sum(local.values()) / dp + n_buckets
+    assert bound < 0.3 * sum(t.numel() for t in reference.values())  # ~1/(tp dp) here
+
+    results = run_processes(meta_stage3_weights, tp * dp, config, seed)
+    for result in results:
+        weights = result["weights"]
         assert weights.keys() == reference.keys()
         for name, tensor in reference.items():
             assert torch.equal(weights[name], tensor), name
-        assert shard_elements < sum(t.numel() for t in reference.values()) / 3
+        assert result["held"] <= bound
+        assert 0 < result["drawn"] <= result["held"]
+    expected = sum(n if name in split else tp * n for name, n in random_numel.items())
+    assert sum(r["drawn"] for r in results) == expected

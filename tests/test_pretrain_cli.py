@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +13,14 @@ from pathlib import Path
 from small_run import TINY_CONFIG, small_run_overrides
 from wandb_log import history
 
+from launch.config import load_config
+from launch.memory_check import format_bytes, planned_peak, run_model
+from models.gpt import count_parameters
+
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
+KEYS |= {"peak_mem_bytes", "planned_peak_bytes"}
+MiB = 2**20
 
 
 def _run(args: list[str], nproc: int | None, cwd: Path) -> subprocess.CompletedProcess:
@@ -51,6 +59,7 @@ def test_pretrain_two_ranks_writes_metrics_and_offline_wandb(
     assert [r["step"] for r in rows if "val_loss" in r] == [1, 3, 6]
     assert (run_dir / "loss.png").stat().st_size > 1000
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "config.yaml").is_file()
+    _check_memory_figures(rows, result.stdout, overrides)
 
     runs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "one offline W&B run in the run folder"
@@ -58,6 +67,27 @@ def test_pretrain_two_ranks_writes_metrics_and_offline_wandb(
     assert [r["_step"] for r in logged] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in logged] == [r["loss"] for r in rows]
     assert [r["_step"] for r in logged if "val_loss" in r] == [1, 3, 6]
+
+
+def _check_memory_figures(rows: list[dict], stdout: str, overrides: list[str]) -> None:
+    """Each line: the largest rank's peak so far, measured, beside the planner's peak."""
+    config = load_config(TINY_CONFIG, overrides)
+    model = run_model(config, 320)  # the test corpus's BPE, as the run sizes its vocabulary
+    planned = int(planned_peak(config, model, 2).memory["peak"])
+    assert {r["planned_peak_bytes"] for r in rows} == {planned}
+    peaks = [r["peak_mem_bytes"] for r in rows]
+    # A high-water mark (the kernel's RSS counters may lag by a few pages).
+    assert all(b >= a - MiB for a, b in itertools.pairwise(peaks)), peaks
+    # Fresh processes: at least the fp32 parameters, gradients and Adam's two moments that
+    # each rank holds at stage 0 (16 bytes a parameter); and far below a worker's own size
+    # (about 400 MiB of imports: the baseline, had it been logged instead).
+    assert 16 * count_parameters(model) < peaks[0] < 256 * MiB, peaks
+    summary = next(line for line in stdout.splitlines() if line.startswith("done: "))
+    ranks = re.search(r"peak memory ([0-9.]+) MiB \(ranks ([0-9.]+) MiB, ([0-9.]+) MiB\)", summary)
+    assert ranks, summary
+    assert float(ranks.group(1)) == max(float(ranks.group(2)), float(ranks.group(3)))
+    assert float(ranks.group(1)) * MiB >= peaks[-1] - 0.1 * MiB  # the whole run's
+    assert f"planned {format_bytes(planned)}" in summary
 
 
 def test_bad_override_is_one_clear_line(tmp_path: Path) -> None:

@@ -125,17 +125,33 @@ def fp16_overflow() -> list[dict[str, Any]]:
     return in_process_group(work)
 
 
-def meta_stage3_weights(config: GPTConfig, seed: int) -> tuple[dict[str, torch.Tensor], int]:
+def meta_stage3_weights(config: GPTConfig, seed: int) -> dict[str, Any]:
     """tp=2 x dp=2: a GPT built on meta, materialised by a stage-3 Engine. Returns the
-    gathered full weights and the parameter elements this rank holds."""
+    gathered full weights, the parameter elements this rank holds (counted from the
+    storages, not from the engine's bookkeeping) and the random values it drew (every
+    request to the seeded generator, counted from outside)."""
+    from unittest import mock
 
-    def work() -> tuple[dict[str, torch.Tensor], int]:
+    from hybrid.tensor_parallel import shards
+
+    def held_elements(engine: Engine, model: GPT) -> int:
+        """Elements in the distinct storages behind the parameter shards and the parameters
+        (a freed stage-3 bucket's storage has 0 bytes; its parameters still have shapes)."""
+        tensors = [s.param_storage for s in engine.states] + list(model.parameters())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+        return sum(s.nbytes() for ptr, s in storages.items() if ptr) // 4  # fp32
+
+    def work() -> dict[str, Any]:
         topology = Topology.build(2)
         parallel = TensorParallel.from_topology(topology, seed)
         model = GPT(config, parallel, seed=seed, device="meta")
-        engine = Engine(model, topology, parallel, EngineConfig(zero_stage=3), list(model.blocks))
-        held = sum(p.numel() for p in model.parameters())  # freed: 0 between uses
-        held += sum(s.param_storage.numel() for s in engine.states)
-        return engine.full_state_dict(), held
+        # The attribute every seeded initialisation calls (GPT.initial_values -> shards).
+        with mock.patch.object(shards, "seeded_normal", wraps=shards.seeded_normal) as draw:
+            engine = Engine(
+                model, topology, parallel, EngineConfig(zero_stage=3), list(model.blocks)
+            )
+        drawn = sum(call.args[2].numel() for call in draw.call_args_list)
+        held = held_elements(engine, model)
+        return {"weights": engine.full_state_dict(), "held": held, "drawn": drawn}
 
     return in_process_group(work)

@@ -1,21 +1,24 @@
 """What every system shares: the model shape, the data, the optimizer's hyper-parameters,
 the training loop that times it, and the measurements taken the same way for all.
 
-Measurements, all per rank:
+Measurements, all per rank (metrics.py has the instruments):
 - step time: wall clock of forward + backward + optimizer step + reading the loss (which
   waits for the step), after `warmup` untimed steps;
+- peak memory: the most the process held during the timed steps, above its own baseline
+  read after imports and process-group start and before the model is built
+  (metrics.PeakMeter: VmHWM reset just before the timed steps, minus the baseline VmRSS;
+  on CUDA torch.cuda.max_memory_allocated over the same window). The same instrument for
+  every system; no system's own accounting is used;
+- model states: the storages of parameters, gradients and optimizer states (moments,
+  master copies) alive at the end of the last warm-up step's backward, each storage once,
+  found by walking Python's objects and sized by us (metrics.live_tensor_bytes); what a
+  system preallocates for communication (DeepSpeed's reduce buckets) and any other live
+  tensor are counted apart, never as model states;
 - communication: every collective that reaches a process group, counted where all systems
   meet, at torch's dispatcher: the `c10d::` operators (dist.* calls, DDP's C++ reducer,
   FSDP2, DeepSpeed) and the functional collectives (`_c10d_functional::`, DTensor's path),
-  during one instrumented warm-up step; bytes follow hybrid.comm's convention (all-reduce
-  and broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input);
-- model-state bytes: every floating-point tensor storage alive in Python at the end of that
-  step's backward (parameters, gradients and their buckets, master copies, optimizer
-  moments), each storage once, the batch excluded, the least of a few samples
-  (settled_tensor_bytes); split into parameters, gradients, optimizer and other (gradient
-  buckets and communication buffers a system holds outside `.grad`);
-- peak RSS: the process's high-water mark (VmHWM), reset after imports and process-group
-  start so that it reflects the model and the training (the baseline is reported too).
+  during the last warm-up step; bytes follow hybrid.comm's convention (all-reduce
+  and broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from models.gpt import GPT, GPTConfig
 
-from .metrics import CommCounter, settled_tensor_bytes
+from .metrics import CommCounter, PeakMeter, settled_tensor_bytes
 
 SEED = 1234
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,16 +48,21 @@ CORPUS = ROOT / "launch" / "assets" / "shakespeare.txt.gz"
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """The model, batch and optimizer every system runs (defaults: a few seconds per job on
-    two CPU cores). Tokens are the corpus's bytes, so the vocabulary is 256."""
+    """The model, batch and optimizer every system runs. Tokens are the corpus's bytes, so
+    the vocabulary is 256. The default model has 57M parameters (8 layers x d_model 768):
+    in fp32 its model states are 0.9 GB per rank at stage 0 and 0.4 GB at stage 3, against
+    about 70 MB of activations for its 2 x 128 tokens per rank and 0.2-0.3 GB of import
+    baseline, so the parameters dominate every memory figure. `quick()` is the small model
+    (3.3M parameters) for checking the harness in a few minutes: there the import
+    baselines and fixed costs swamp the figures."""
 
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 256
-    seq_len: int = 256
+    n_layer: int = 8
+    n_head: int = 12
+    d_model: int = 768
+    seq_len: int = 128
     vocab_size: int = 256
-    global_batch: int = 8  # sequences per optimizer step, split over DP ranks
-    steps: int = 5  # timed steps
+    global_batch: int = 4  # sequences per optimizer step, split over DP ranks
+    steps: int = 4  # timed steps
     warmup: int = 2  # untimed steps before them; the last one is instrumented
     lr: float = 3e-4  # at 1e-3 this model spikes in its first steps, and a spike amplifies
     # rounding differences past 1e-5: the loss check would compare chaos, not arithmetic
@@ -66,6 +74,12 @@ class BenchConfig:
     fused_adamw: bool = True  # every system steps the same torch AdamW kernel (ours: fused)
     device: str = "cpu"  # "cuda": bf16 (ours, autocast for the peers, DeepSpeed's bf16)
 
+    @classmethod
+    def quick(cls, **overrides: Any) -> BenchConfig:
+        """The small model: 4 layers x d_model 256, 3.3M parameters."""
+        small = dict(n_layer=4, n_head=4, d_model=256, seq_len=256, global_batch=8, steps=5)
+        return cls(**{**small, **overrides})
+
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
             n_layer=self.n_layer,
@@ -75,6 +89,10 @@ class BenchConfig:
             vocab_size=self.vocab_size,
             dropout=0.0,
         )
+
+    def parameter_count(self) -> int:
+        model = GPT(self.gpt_config(), device="meta")  # shapes only, nothing drawn
+        return sum(p.numel() for p in model.parameters())
 
     @property
     def tokens_per_step(self) -> int:
@@ -220,8 +238,12 @@ class Trainer(Protocol):
 
     def optimizer_step(self) -> None: ...
 
-    def model_tensors(self) -> list[torch.Tensor]:
-        """The tensors that hold this rank's parameters (local shards)."""
+    def tensor_roles(self) -> dict[str, list[torch.Tensor]]:
+        """Where this rank's tensors live, by role (metrics.ROLES): `parameters` (the
+        tensors that hold its parameters or their local shards), and, where the system
+        keeps them outside `.grad` and torch's optimizer state, `gradients` and
+        `optimizer`; `buffers`: what it preallocates for communication. Only where the
+        tensors are: their bytes are measured (metrics.live_tensor_bytes)."""
         ...
 
     def reported(self) -> dict[str, Any]:
@@ -229,23 +251,34 @@ class Trainer(Protocol):
         ...
 
 
-def train(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int) -> dict:
-    """Run every batch; time the steps after `warmup`; instrument the last warm-up step
-    (communication and memory): its timing is not used, so the counting costs nothing."""
+def train(
+    trainer: Trainer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    warmup: int,
+    meter: PeakMeter,
+) -> dict:
+    """Run every batch; time the steps after `warmup`, and take the peak memory over
+    exactly those steps (`meter` is reset just before the first, read after the last);
+    instrument the last warm-up step (communication, and model states at the end of its
+    backward): its timing is not used, so the counting costs nothing."""
     if warmup < 2:
         raise ValueError("warmup must be at least 2: optimizer states exist from step 2 on")
+    if len(batches) <= warmup:
+        raise ValueError(f"{len(batches)} batches leave no timed step after {warmup} warm-up")
     losses, times = [], []
     comm: dict[str, Any] = {}
     memory: dict[str, Any] = {}
     exclude = [t for pair in batches for t in pair]
     for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            meter.start()
         instrument = i == warmup - 1
         counter = CommCounter() if instrument else contextlib.nullcontext()
         tick = time.perf_counter()
         with counter:
             loss = trainer.forward_backward(x, y)
             if instrument:
-                memory = settled_tensor_bytes(trainer.model_tensors(), exclude)
+                memory = settled_tensor_bytes(trainer.tensor_roles(), exclude)
             trainer.optimizer_step()
             losses.append(float(loss))
         elapsed = time.perf_counter() - tick
@@ -253,12 +286,14 @@ def train(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], wa
             comm = counter.summary()
         if i >= warmup:
             times.append(elapsed)
+    peak = meter.stop()
     return {
         "losses": losses,
         "times": times,
         "median_time": statistics.median(times),
         "comm": comm,
         "memory": memory,
+        "peak": peak,
     }
 
 

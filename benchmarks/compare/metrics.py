@@ -6,6 +6,8 @@ alive in Python, and the process's resident memory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import gc
 import resource
 import time
@@ -90,6 +92,19 @@ class CommCounter(TorchDispatchMode):
 
 
 # ---- memory ---------------------------------------------------------------------------------
+#
+# Two figures per rank, each taken the same way for every system:
+# - the peak during the timed steps, above the process's own baseline (PeakMeter): the
+#   resident set (VmRSS / VmHWM) on CPU, the caching allocator's allocated bytes on CUDA;
+# - the model states and the other tensors alive at the end of a warm-up step's backward
+#   (live_tensor_bytes): storages found by walking Python's objects, sized by us, never a
+#   system's own byte count. Which tensors are gradients or optimizer states of a system
+#   that keeps them outside `.grad` and torch's optimizer state (our engine's flat shards,
+#   DeepSpeed's gradient partitions) its adapter names (Trainer.tensor_roles); what it
+#   preallocates for communication (DeepSpeed's reduce buckets) too, reported apart.
+
+ROLES = ("parameters", "gradients", "optimizer", "buffers")
+MODEL_STATES = ("parameters", "gradients", "optimizer")
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -108,13 +123,21 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def _addresses(tensors: Any) -> set[int]:
+    return {s[0] for t in tensors if isinstance(t, torch.Tensor) and (s := _storage(t))}
+
+
 def live_tensor_bytes(
-    model_tensors: list[torch.Tensor], exclude: list[torch.Tensor]
+    roles: dict[str, list[torch.Tensor]], exclude: list[torch.Tensor]
 ) -> dict[str, int]:
-    """Bytes of every tensor storage alive in Python, each once: parameters (storages of
-    `model_tensors`), gradients (their `.grad`), optimizer (state and master copies of every
-    torch optimizer alive) and other (everything else, e.g. gradient buckets). Tensors held
-    only by C++ (DDP's reducer buckets, autograd's saved tensors) are not seen."""
+    """Bytes of every floating-point tensor storage alive in Python, each storage once, by
+    role: `parameters`, `gradients`, `optimizer` (model states), `buffers` (what a system
+    preallocates for communication), `other` (everything else alive, e.g. gradient
+    buckets); `model_states` is the sum of the first three. A storage's role is the first
+    that claims it, in that order: the tensors `roles` names, plus, for every system, the
+    `.grad` of those parameters, and the state and master copies (parameters that are not
+    the model's) of every torch optimizer alive. Tensors held only by C++ (DDP's reducer
+    buckets, autograd's saved tensors) are not seen here; the peak RSS sees them."""
     gc.collect()
     objects = gc.get_objects()
     storages: dict[int, int] = {}
@@ -127,37 +150,38 @@ def live_tensor_bytes(
         if found:
             storages[found[0]] = found[1]
 
-    def addresses(tensors: Any) -> set[int]:
-        return {s[0] for t in tensors if t is not None and (s := _storage(t))}
-
-    params = addresses(model_tensors)
-    grads = addresses(getattr(t, "grad", None) for t in model_tensors)
-    optim: set[int] = set()
+    params = _addresses(roles.get("parameters", []))
+    parameters = roles.get("parameters", [])
+    grads = _addresses(roles.get("gradients", [])) | _addresses(
+        getattr(t, "grad", None) for t in parameters
+    )
+    optim = _addresses(roles.get("optimizer", []))
     for optimizer in optimizers:
         for state in optimizer.state.values():
-            optim |= addresses(v for v in state.values() if isinstance(v, torch.Tensor))
-        optim |= addresses(p for g in optimizer.param_groups for p in g["params"]) - params
-    skip = addresses(exclude)
-    totals = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
+            optim |= _addresses(v for v in state.values() if isinstance(v, torch.Tensor))
+        owned = [p for g in optimizer.param_groups for p in g["params"]]
+        optim |= _addresses(owned) - params
+        grads |= _addresses(getattr(p, "grad", None) for p in owned)
+    claimed = [
+        ("parameters", params),
+        ("gradients", grads),
+        ("optimizer", optim),
+        ("buffers", _addresses(roles.get("buffers", []))),
+    ]
+    skip = _addresses(exclude)
+    totals = dict.fromkeys((*ROLES, "other"), 0)
     for address, nbytes in storages.items():
         if address in skip:
             continue
-        kind = (
-            "parameters"
-            if address in params
-            else "gradients"
-            if address in grads
-            else "optimizer"
-            if address in optim
-            else "other"
-        )
+        kind = next((name for name, owned in claimed if address in owned), "other")
         totals[kind] += nbytes
-    totals["total"] = sum(totals.values())
+    totals["model_states"] = sum(totals[k] for k in MODEL_STATES)
+    totals["total"] = sum(totals[k] for k in (*ROLES, "other"))
     return totals
 
 
 def settled_tensor_bytes(
-    model_tensors: list[torch.Tensor], exclude: list[torch.Tensor], samples: int = 4
+    roles: dict[str, list[torch.Tensor]], exclude: list[torch.Tensor], samples: int = 4
 ) -> dict[str, Any]:
     """`live_tensor_bytes`, the smallest of a few samples 20 ms apart. Under load, a single
     sample once counted a gradient bucket that had already been released (+12 MB for ours at
@@ -169,7 +193,7 @@ def settled_tensor_bytes(
     for i in range(samples):
         if i:
             time.sleep(0.02)
-        taken.append(live_tensor_bytes(model_tensors, exclude))
+        taken.append(live_tensor_bytes(roles, exclude))
     least = min(taken, key=lambda m: m["total"])
     return {**least, "samples": [m["total"] for m in taken]}
 
@@ -199,6 +223,96 @@ def reset_peak_rss() -> bool:
 def peak_rss() -> int:
     """VmHWM, or the lifetime peak where /proc is missing."""
     return _proc_status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_free_heap() -> bool:
+    """Collect garbage and hand the allocator's free pages back to the kernel (glibc's
+    malloc_trim), so that the resident set is what is alive, not what malloc kept of
+    earlier frees (a benchmark's set-up frees a full copy of the weights in some systems
+    and not in others). False where there is no glibc."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)  # returns whether it released anything; either is fine
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakMeter:
+    """Peak memory of this process over a window, above its own baseline; the same
+    instrument for every system:
+
+        meter = PeakMeter(device)   # after imports and process-group start, before the model
+        ...build the system, warm up...
+        meter.start()               # just before the timed steps: the peak is reset here
+        ...timed steps...
+        figures = meter.stop()      # peak during the window, above the baseline
+
+    On CPU the figure is the process's own resident memory: VmHWM after the window
+    (writing 5 to /proc/self/clear_refs resets it to VmRSS just before the window) minus
+    VmRSS at the baseline, less the file-backed pages (RssFile: library code that the
+    first steps page in, torch's own; it stays flat over the timed steps, and its value at
+    the window's start is the one taken, so the figure can only err upwards). Baseline
+    and start follow a garbage collection and malloc_trim, so neither counts pages malloc
+    kept of earlier frees. On CUDA the figure is torch.cuda.max_memory_allocated over the
+    window (reset by reset_peak_memory_stats) minus memory_allocated at the baseline; the
+    RSS figures are kept beside it. Everything the system holds during the window counts
+    (model states, buffers, activations, transients, what only C++ holds), nothing of the
+    interpreter, torch or the system's import."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.trimmed = release_free_heap()
+        self.baseline_rss = current_rss()
+        self.baseline_file = _proc_status("RssFile") or 0
+        self.baseline_device = self._allocated()
+        self.windowed = False
+        self.start_rss = self.start_file = 0
+
+    def _allocated(self) -> int | None:
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def start(self) -> None:
+        release_free_heap()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.start_rss = current_rss()
+        self.start_file = _proc_status("RssFile") or 0
+        self.windowed = reset_peak_rss()
+
+    def stop(self) -> dict[str, Any]:
+        peak = peak_rss()
+        stop_file = _proc_status("RssFile") or 0
+        figures: dict[str, Any] = {
+            "baseline_rss": self.baseline_rss,
+            "start_rss": self.start_rss,
+            "peak_rss": peak,
+            "rss_file": [self.baseline_file, self.start_file, stop_file],
+            "peak_rss_above_baseline": (peak - self.start_file)
+            - (self.baseline_rss - self.baseline_file),
+            # False where the high-water mark could not be reset: then it is the
+            # lifetime's, set-up included, and the report does not use it.
+            "windowed": self.windowed,
+            "malloc_trim": self.trimmed,
+        }
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            device_peak = torch.cuda.max_memory_allocated(self.device)
+            figures.update(
+                baseline_device=self.baseline_device,
+                peak_device=device_peak,
+                peak_device_above_baseline=device_peak - (self.baseline_device or 0),
+            )
+        figures["peak_above_baseline"] = figures[
+            "peak_device_above_baseline" if self.cuda else "peak_rss_above_baseline"
+        ]
+        return figures
 
 
 # ---- the machine ----------------------------------------------------------------------------

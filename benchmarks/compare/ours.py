@@ -49,9 +49,18 @@ class OursTrainer:
         self.engine.step(self.lr)
         self.steps += 1
 
-    def model_tensors(self) -> list[torch.Tensor]:
-        # Parameters are views into the buckets' flat storages (stage 3: the shards).
-        return [s.param_storage for s in self.engine.states] + list(self.engine.module.parameters())
+    def tensor_roles(self) -> dict[str, list[torch.Tensor]]:
+        # Parameters are views into the buckets' flat storages (stage 3: the shards);
+        # gradients are the flat full buffers (stage 0) or the reduced shards; in fp32 the
+        # master is the parameter shard itself (counted once, as a parameter).
+        states = self.engine.states
+        return {
+            "parameters": [s.param_storage for s in states] + list(self.engine.module.parameters()),
+            "gradients": [t for s in states for t in (s.grad_flat, s.grad_shard) if t is not None],
+            "optimizer": [
+                t for s in states for t in (s.master, s.exp_avg, s.exp_avg_sq) if t is not None
+            ],
+        }
 
     def reported(self) -> dict[str, Any]:
         # hybrid.comm's own count, per step (every step moves the same): a cross-check of

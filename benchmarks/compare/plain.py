@@ -32,8 +32,9 @@ class ModuleTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def model_tensors(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
+    def tensor_roles(self) -> dict[str, list[torch.Tensor]]:
+        # Gradients are the parameters' `.grad`, optimizer states torch's: found for all.
+        return {"parameters": list(self.model.parameters())}
 
     def reported(self) -> dict[str, Any]:
         return {}

@@ -28,29 +28,56 @@ class Row:
     def ok(self) -> bool:
         return bool(self.rounds) and self.failure is None
 
-    def _per_round(self, value: Any) -> float:
-        return statistics.median(max(value(r) for r in ranks) for ranks in self.rounds)
+    def per_round(self, value: Any) -> list[float]:
+        """`value` of the worst rank (the largest), one per round."""
+        return [max(value(r) for r in ranks) for ranks in self.rounds]
+
+    @property
+    def round_times(self) -> list[float]:
+        """Per round, the slowest rank's median step time."""
+        return self.per_round(lambda r: r["median_time"])
 
     @property
     def step_time(self) -> float:
         """Median over rounds of the slowest rank's median step time."""
-        return self._per_round(lambda r: r["median_time"])
+        return statistics.median(self.round_times)
 
     @property
     def tokens_per_s(self) -> float:
         return self.spec.bench.tokens_per_step / self.step_time
 
     @property
-    def peak_rss(self) -> float:
-        return self._per_round(lambda r: r["peak_rss"])
+    def windowed(self) -> bool:
+        """Every rank's peak is over the timed steps alone (its high-water mark was reset)."""
+        return all(r["peak"]["windowed"] for ranks in self.rounds for r in ranks)
+
+    @property
+    def peak_above_baseline(self) -> float:
+        """Median over rounds of the largest rank's peak during the timed steps, above its
+        own baseline (metrics.PeakMeter)."""
+        return statistics.median(self.per_round(lambda r: r["peak"]["peak_above_baseline"]))
+
+    def _memory(self, key: str) -> float:
+        return statistics.median(self.per_round(lambda r: r["memory"][key]))
 
     @property
     def state_bytes(self) -> float:
-        return self._per_round(lambda r: r["memory"]["total"])
+        """Parameters + gradients + optimizer states, measured (metrics.live_tensor_bytes)."""
+        return self._memory("model_states")
+
+    @property
+    def buffer_bytes(self) -> float:
+        """What the system preallocates for communication (DeepSpeed's reduce buckets)."""
+        return self._memory("buffers")
+
+    @property
+    def other_bytes(self) -> float:
+        """Other floating-point tensors alive (e.g. gradient buckets)."""
+        return self._memory("other")
 
     @property
     def comm_bytes(self) -> float:
-        return self._per_round(lambda r: r["comm"]["total_bytes"])
+        return statistics.median(self.per_round(lambda r: r["comm"]["total_bytes"]))
 
     @property
     def losses(self) -> list[float]:
@@ -59,6 +86,27 @@ class Row:
         ranks = [r for r in self.rounds[0] if r["tp_rank"] == 0]
         steps = len(ranks[0]["losses"])
         return [statistics.fmean(r["losses"][i] for r in ranks) for i in range(steps)]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """ours / peer step time: the median over rounds of the ratio within each round (the
+    two jobs ran minutes apart, under the same load), and the least and largest of them."""
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+    def __str__(self) -> str:
+        if self.rounds == 1:
+            return f"{self.median:.3f}"
+        return f"{self.median:.3f} [{self.low:.3f}-{self.high:.3f}]"
+
+
+def paired_ratio(row: Row, peer: Row) -> Ratio:
+    ratios = [a / b for a, b in zip(row.round_times, peer.round_times, strict=True)]
+    return Ratio(statistics.median(ratios), min(ratios), max(ratios), len(ratios))
 
 
 def max_relative_difference(losses: list[float], reference: list[float]) -> float:
@@ -104,31 +152,37 @@ def reference_losses(rows: list[Row]) -> list[float] | None:
     return ran[0].losses if ran else None
 
 
+def _mb(value: float) -> str:
+    return f"{value / MB:.1f}"
+
+
 def table(rows: list[Row]) -> list[str]:
     reference = reference_losses(rows)
     lines = [
-        "| configuration | step time (ms) | tokens/s | peak RSS / rank (MB) "
-        "| model states / rank (MB) | comm / step / rank (MB) | final loss "
-        "| max loss rel. diff | ours / best peer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| configuration | step time (ms) | tokens/s | peak above baseline / rank (MB) "
+        "| model states / rank (MB) | preallocated comm buffers / rank (MB) "
+        "| other tensors / rank (MB) | comm / step / rank (MB) | final loss "
+        "| max loss rel. diff | ours / fastest peer, time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if not row.ok:
-            lines.append(f"| {row.spec.label} | {row.failure or 'did not run'} ||||||||")
+            lines.append(f"| {row.spec.label} | {row.failure or 'did not run'} ||||||||||")
             continue
         ratio = ""
         if row.spec.system == "ours":
             peer = best_peer(rows, row)
             if peer:
-                ratio = f"{row.step_time / peer.step_time:.3f} ({peer.spec.label.split(',')[0]})"
+                ratio = f"{paired_ratio(row, peer)} ({peer.spec.label.split(',')[0]})"
         diff = max_relative_difference(row.losses, reference) if reference else float("nan")
         loss, shown = f"{row.losses[-1]:.6f}", f"{diff:.1e}"
         if row.spec.system == "floor":  # replicas that never synchronise: another model
             loss, shown, ratio = "(unsynchronised)", "n/a", ""
+        peak = _mb(row.peak_above_baseline) if row.windowed else "n/a (not windowed)"
         lines.append(
             f"| {row.spec.label} | {row.step_time * 1e3:.1f} | {row.tokens_per_s:,.0f} "
-            f"| {row.peak_rss / MB:.0f} | {row.state_bytes / MB:.2f} "
-            f"| {row.comm_bytes / MB:.2f} | {loss} | {shown} | {ratio} |"
+            f"| {peak} | {_mb(row.state_bytes)} | {_mb(row.buffer_bytes)} "
+            f"| {_mb(row.other_bytes)} | {row.comm_bytes / MB:.2f} | {loss} | {shown} | {ratio} |"
         )
     return lines
 
@@ -141,14 +195,45 @@ def _find(rows: list[Row], system: str, spec: JobSpec) -> Row | None:
     return None
 
 
-def acceptance(rows: list[Row]) -> list[str]:
-    """The issue's targets, each with its measured value and PASS / FAIL."""
+def measurement_problems(rows: list[Row]) -> list[str]:
+    """Rows whose memory figures cannot be right: a peak that was not reset before the
+    timed steps (it is then the lifetime's), or a peak above baseline below the model
+    states, which are resident all through the timed steps (a baseline read after the
+    model was built, or a window that missed the steps, gives that)."""
+    problems = []
+    for row in (r for r in rows if r.ok):
+        if not row.windowed:
+            problems.append(f"{row.spec.label}: the peak could not be reset before the steps")
+        elif row.peak_above_baseline < row.state_bytes:
+            problems.append(
+                f"{row.spec.label}: peak above baseline {_mb(row.peak_above_baseline)} MB "
+                f"< model states {_mb(row.state_bytes)} MB"
+            )
+    return problems
+
+
+def checks(rows: list[Row]) -> list[str]:
+    """Each target with its measured value and PASS / FAIL. Times are paired ratios
+    (median over rounds, [least-largest]); memory is the peak above baseline and the
+    measured model states."""
     lines = ["| check | measured | target | result |", "|---|---|---|---|"]
 
-    def check(name: str, value: float, target: float, fmt: str = "{:.4f}") -> None:
+    def check(name: str, value: float, target: float, fmt: str = "{:.4f}", shown: str = "") -> None:
         verdict = "PASS" if value <= target else "FAIL"
-        lines.append(f"| {name} | {fmt.format(value)} | <= {fmt.format(target)} | {verdict} |")
+        measured = shown or fmt.format(value)
+        lines.append(f"| {name} | {measured} | <= {fmt.format(target)} | {verdict} |")
 
+    def time_check(name: str, ours: Row, peer: Row, target: float) -> None:
+        ratio = paired_ratio(ours, peer)
+        check(name, ratio.median, target, shown=str(ratio))
+
+    ran = [r for r in rows if r.ok]
+    problems = measurement_problems(rows)
+    lines.append(
+        f"| memory measured over the timed steps, peak >= model states, every row "
+        f"| {len(ran) - len(problems)} of {len(ran)} rows | all | "
+        f"{'PASS' if not problems else 'FAIL: ' + '; '.join(problems)} |"
+    )
     reference = reference_losses(rows)
     if reference:
         worst = max(
@@ -157,46 +242,72 @@ def acceptance(rows: list[Row]) -> list[str]:
         bf16 = any(r.spec.bench.bf16 for r in rows)
         tolerance = LOSS_TOLERANCE_BF16 if bf16 else LOSS_TOLERANCE
         check(f"losses agree at every step (worst: {worst[1]})", worst[0], tolerance, "{:.1e}")
-    for ours in (r for r in rows if r.ok and r.spec.system == "ours"):
+    trusted = not problems
+    for recompute in sorted({r.spec.recompute for r in ran}):
+        ours_dp = {
+            r.spec.stage: r
+            for r in ran
+            if r.spec.system == "ours"
+            and (r.spec.dp, r.spec.tp) == (2, 1)
+            and r.spec.recompute == recompute
+        }
+        if trusted and len(ours_dp) == 4:
+            p = [ours_dp[k].peak_above_baseline for k in range(4)]
+            ordered = p[3] < p[2] <= p[1] < p[0]
+            suffix = ", recompute" if recompute else ""
+            lines.append(
+                f"| ours dp=2, peak above baseline by stage 0/1/2/3{suffix} "
+                f"| {' / '.join(_mb(v) for v in p)} MB | 3 < 2 <= 1 < 0 "
+                f"| {'PASS' if ordered else 'FAIL'} |"
+            )
+    for ours in (r for r in ran if r.spec.system == "ours"):
         spec = ours.spec
         suffix = ", recompute" if spec.recompute else ""
         if spec.world == 1:
             peer = _find(rows, "plain", spec)
             if peer:
-                check(
-                    f"ours 1 process / plain loop, time{suffix}",
-                    ours.step_time / peer.step_time,
-                    1.05,
-                )
+                time_check(f"ours 1 process / plain loop, time{suffix}", ours, peer, 1.05)
         elif spec.tp == 1:
             peer = _find(rows, "deepspeed", spec)
             if peer:
                 name = f"ours / DeepSpeed stage {spec.stage}"
-                check(f"{name}, time{suffix}", ours.step_time / peer.step_time, 0.9)
+                time_check(f"{name}, time{suffix}", ours, peer, 0.9)
                 floor = floor_of(rows, spec)
                 if floor:  # the least any DP system could take here: not a target, a bound
                     lines.append(
                         f"| (bound) no-communication floor / DeepSpeed stage {spec.stage}"
-                        f"{suffix} | {floor.step_time / peer.step_time:.4f} | | |"
+                        f"{suffix}, time | {paired_ratio(floor, peer)} | | |"
                     )
                 check(f"{name}, model states{suffix}", ours.state_bytes / peer.state_bytes, 1.0)
-                check(f"{name}, peak RSS{suffix}", ours.peak_rss / peer.peak_rss, 1.0)
+                if trusted:
+                    check(
+                        f"{name}, peak above baseline{suffix}",
+                        ours.peak_above_baseline / peer.peak_above_baseline,
+                        1.0,
+                    )
             fsdp = _find(rows, "fsdp2", spec) if spec.stage == 3 else None
             if fsdp:
-                check(f"ours stage 3 / FSDP2, time{suffix}", ours.step_time / fsdp.step_time, 1.0)
+                time_check(f"ours stage 3 / FSDP2, time{suffix}", ours, fsdp, 1.0)
+                if trusted:
+                    check(
+                        f"ours stage 3 / FSDP2, peak above baseline{suffix}",
+                        ours.peak_above_baseline / fsdp.peak_above_baseline,
+                        1.0,
+                    )
         elif spec.dp == 1:
             peer = _find(rows, "dtensor_tp", spec)
             if peer:
-                check(f"ours tp=2 / DTensor TP, time{suffix}", ours.step_time / peer.step_time, 1.0)
+                time_check(f"ours tp=2 / DTensor TP, time{suffix}", ours, peer, 1.0)
         else:
             peer = _find(rows, "fsdp2_tp", spec)
             if peer:
-                check(f"ours 2D / FSDP2 + TP, time{suffix}", ours.step_time / peer.step_time, 1.0)
+                time_check(f"ours 2D / FSDP2 + TP, time{suffix}", ours, peer, 1.0)
     return lines
 
 
 def chart(rows: list[Row], path: Path, title: str) -> None:
-    """Step time and model-state bytes per configuration, ours in one colour."""
+    """Step time, and the peak above baseline with the model states inside it, per
+    configuration, ours in one colour."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,8 +322,17 @@ def chart(rows: list[Row], path: Path, title: str) -> None:
     y = list(range(len(ran)))
     axes[0].barh(y, [r.step_time * 1e3 for r in ran], color=colours)
     axes[0].set_xlabel("median step time (ms)")
-    axes[1].barh(y, [r.state_bytes / MB for r in ran], color=colours)
-    axes[1].set_xlabel("model states per rank (MB)")
+    peaks = [r.peak_above_baseline / MB if r.windowed else 0.0 for r in ran]
+    axes[1].barh(y, peaks, color=colours, alpha=0.45, label="peak above baseline")
+    axes[1].barh(
+        y,
+        [r.state_bytes / MB for r in ran],
+        color=colours,
+        height=0.4,
+        label="model states (inside it)",
+    )
+    axes[1].set_xlabel("per rank, during the timed steps (MB)")
+    axes[1].legend(fontsize=8, loc="lower right")
     axes[0].set_yticks(y, labels, fontsize=8)
     axes[0].invert_yaxis()
     for ax in axes:

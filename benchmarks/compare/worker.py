@@ -3,8 +3,10 @@
     torchrun --standalone --nproc_per_node N -m benchmarks.compare.worker \\
         --spec '<JobSpec JSON>' --out DIR
 
-builds the system of the spec, trains it on the shared batches (common.train) and writes
-DIR/rank<R>.json with its losses, step times, communication, memory and RSS.
+reads this process's memory baseline (after imports and process-group start), builds the
+system of the spec, trains it on the shared batches (common.train, which takes the peak
+over the timed steps) and writes DIR/rank<R>.json with its losses, step times,
+communication, model states and peak memory above the baseline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from hybrid.distributed import init_distributed, shutdown
 
 from .common import JobSpec, global_batches, local_batch, machine, train
-from .metrics import current_rss, peak_rss, reset_peak_rss
+from .metrics import PeakMeter
 
 # system -> (module, trainer class); imported on demand so that only DeepSpeed's own jobs
 # import DeepSpeed (its import alone costs seconds and memory).
@@ -54,30 +56,26 @@ def run(spec: JobSpec, out: Path) -> dict:
     try:
         torch.manual_seed(0)
         device = env.device if spec.bench.device == "cuda" else torch.device("cpu")
-        baseline = current_rss()
-        peak_was_reset = reset_peak_rss()
+        global_ = global_batches(spec.bench)  # the harness's data (KBs), before the baseline
+        # Everything is imported (the system's module above) and the process group is up:
+        # what the process holds from here on is the system's.
+        meter = PeakMeter(device)
         tick = time.perf_counter()
         trainer = trainer_class(spec, device)
         setup_s = time.perf_counter() - tick
         batches = [
-            tuple(t.to(device) for t in local_batch(b, trainer.dp_rank, spec.dp))
-            for b in global_batches(spec.bench)
+            tuple(t.to(device) for t in local_batch(b, trainer.dp_rank, spec.dp)) for b in global_
         ]
-        result = train(trainer, batches, spec.bench.warmup)
+        result = train(trainer, batches, spec.bench.warmup, meter)
         result.update(
             spec=json.loads(spec.to_json()),
             rank=env.rank,
             dp_rank=trainer.dp_rank,
             tp_rank=trainer.tp_rank,
             setup_s=setup_s,
-            baseline_rss=baseline,
-            peak_rss=peak_rss(),
-            peak_rss_is_since_setup=peak_was_reset,
             reported=trainer.reported(),
             machine=machine(),
         )
-        if torch.cuda.is_available() and device.type == "cuda":
-            result["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1))
         return result

@@ -5,6 +5,7 @@ as generic numbers: parameters per TP rank, a transformer's shape) on a parallel
   padded buckets and transient communication buffers;
 - activations: Korthikanti et al. 2022 (arXiv 2205.05198) per layer, with TP, sequence
   parallelism and recomputation, plus embedding, output and loss;
+- peak: the moments of a training step, each with what is alive then, and the largest;
 - communication: DP (ZeRO section 7) and TP (Megatron-LM) volumes per step;
 - planner: Layout, Hardware, RankParameters, plan() -> Plan (with a step-time estimate);
 - units: sizes with units (32GiB, 80GB, 25GB/s, 175B).
@@ -30,7 +31,8 @@ from .model_states import (
     precision_bytes,
     zero_state_bytes,
 )
-from .planner import Hardware, Layout, Plan, RankParameters, plan, step_time
+from .peak import BACKENDS, Moment, StepLayout, step_moments, step_peak
+from .planner import Hardware, Layout, Plan, RankParameters, plan, step_layout, step_time
 from .units import (
     format_count,
     parse_bandwidth,
@@ -41,11 +43,14 @@ from .units import (
 
 __all__ = [
     "ADAM_MIXED_K",
+    "BACKENDS",
     "RECOMPUTE_MODES",
     "Hardware",
     "Layout",
+    "Moment",
     "Plan",
     "RankParameters",
+    "StepLayout",
     "TransformerShape",
     "activation_bytes",
     "bucket_numels",
@@ -61,6 +66,9 @@ __all__ = [
     "parse_count",
     "plan",
     "precision_bytes",
+    "step_layout",
+    "step_moments",
+    "step_peak",
     "step_time",
     "stored_activation_bytes",
     "tp_traffic_bytes",

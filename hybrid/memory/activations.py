@@ -26,7 +26,8 @@ whose working set (one layer without recomputation) comes on top.
 Outside the layers (section 4.3): the embedding's dropout mask, sbh (/t with SP); the
 final norm's and the output layer's inputs, 2 e sbh (/t with SP); the loss's fp32
 softmax over this rank's vocabulary slice, 4 sb v/t. The loss also needs transient
-buffers while it runs: the low-precision logits and their fp32 copy, (e + 4) sb v/t.
+buffers while it runs: the low-precision logits, their fp32 copy (none in fp32) and the
+max-shifted copy whose exponential becomes the softmax, (e + 4 + 4) sb v/t in bf16.
 
 Not counted (each under 1% at h >= 64): norm statistics (2 per token), token ids.
 """
@@ -53,6 +54,9 @@ class TransformerShape:
     vocab: int  # padded vocabulary (the model's table)
     seq_len: int  # tokens per training sequence
     dropout: bool  # dropout > 0: masks kept, explicit attention core
+    # The token embedding doubles as the output layer: autograd then holds the output
+    # layer's weight gradient through backward until the embedding's part is added to it.
+    tied_embeddings: bool = True
 
 
 def paper_layer_bytes(
@@ -129,7 +133,7 @@ def activation_bytes(
         "embedding": (s * b * h / chunk) if shape.dropout else 0.0,
         "output": 2 * element * s * b * h / chunk,
         "loss": 4 * s * b * local_vocab,
-        "loss_buffers": (element + 4) * s * b * local_vocab,
+        "loss_buffers": (element + (4 if element != 4 else 0) + 4) * s * b * local_vocab,
     }
     parts["total"] = sum(parts.values())
     return parts

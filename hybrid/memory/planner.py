@@ -4,11 +4,16 @@
     result = plan(Layout(gpus=256, tp=4, zero_stage=2, recompute="full"), params, shape,
                   gpu_memory=32 * 2**30)
 
-Memory per GPU is the model states (hybrid.memory.model_states: ZeRO with the engine's
-padding), the activations of one micro-batch (hybrid.memory.activations: Korthikanti et
-al.), the engine's transient communication buffers and a reserve for what no formula
-sees (CUDA context, NCCL buffers, allocator fragmentation). Their sum is an upper bound of
-the peak: activations peak when backward starts, gradient buffers when it ends.
+Memory per GPU is broken down into the model states (hybrid.memory.model_states: ZeRO
+with the engine's padding), the activations one micro-batch keeps for backward
+(hybrid.memory.activations: Korthikanti et al.) and the engine's peak of transient
+communication buffers. The `peak` is not their sum: it is the largest moment of a
+training step (hybrid.memory.peak), model states plus activations plus transient
+buffers as they are alive together (activations peak around the loss, gradient buffers
+at the end of backward, stage 3's gathered buckets in the last layers' backward).
+`total` is the peak plus a reserve for what no moment of the step holds (CUDA context,
+NCCL buffers, allocator fragmentation): what must fit in the GPU. An allocator's
+high-water mark (`torch.cuda.max_memory_allocated`, on CPU MemTracker) measures `peak`.
 
 The step time is compute plus the communication that is not hidden:
 - compute: the FLOPs of a step (6 x parameters x tokens plus attention, Narayanan et al.
@@ -32,6 +37,7 @@ from ..topology import check_layout
 from .activations import TransformerShape, activation_bytes, check_recompute
 from .communication import dp_traffic_bytes, tp_traffic_bytes
 from .model_states import model_state_bytes, precision_bytes, zero_state_bytes
+from .peak import Moment, StepLayout, step_peak
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class Plan:
     gpu_memory: int | None
     fits: bool | None
     notes: list[str] = field(default_factory=list)
+    peak: Moment | None = None  # the step's largest moment (None for a bare count)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -164,10 +171,13 @@ def plan(
     hardware: Hardware | None = None,
     flops_per_token: float | None = None,
     model_flops_per_token: float | None = None,
+    backend: str = "nccl",
 ) -> Plan:
     """Memory, communication and (with `shape` and FLOPs per token) step time of `layout`.
     `flops_per_token` is what the GPUs execute (recomputation included), the model's
-    own (`model_flops_per_token`) is for MFU."""
+    own (`model_flops_per_token`) is for MFU. `memory["peak"]` is the step's peak per
+    rank, `memory["total"]` that plus `reserve`; `backend="gloo"` for CPU runs (its
+    reduce-scatter copies its input, hybrid.memory.peak)."""
     hardware = hardware or Hardware()
     stage, dp, tp = layout.zero_stage, layout.dp, layout.tp
     element, k = precision_bytes(layout.precision)
@@ -222,10 +232,14 @@ def plan(
     else:
         memory["activations"] = None
     memory["buffers"] = buffers
+    peak = None
+    if params.exact:
+        peak = step_peak(step_layout(layout, backend), params.root, params.units, shape)
+        memory["peak"] = peak.total
+    else:  # no layout of buckets: the paper's model states are all there is
+        memory["peak"] = memory["model_states"]
     memory["reserved"] = float(reserve)
-    memory["total"] = (
-        memory["model_states"] + (memory["activations"] or 0.0) + (buffers or 0.0) + reserve
-    )
+    memory["total"] = memory["peak"] + reserve
     dp_bytes = dp_traffic_bytes(stage, psi_padded, dp, element, layout.micro_batches)
     communication: dict[str, float | None] = {"dp_bytes": dp_bytes, "tp_bytes": tp_bytes}
 
@@ -247,6 +261,24 @@ def plan(
         gpu_memory=gpu_memory,
         fits=fits,
         notes=notes,
+        peak=peak,
+    )
+
+
+def step_layout(layout: Layout, backend: str = "nccl") -> StepLayout:
+    """What hybrid.memory.peak needs of a layout."""
+    return StepLayout(
+        stage=layout.zero_stage,
+        dp=layout.dp,
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute,
+        recompute_every=layout.recompute_every,
+        micro_batch=layout.micro_batch,
+        micro_batches=layout.micro_batches,
+        precision=layout.precision,
+        bucket_mb=layout.bucket_mb,
+        backend=backend,
     )
 
 

@@ -4,25 +4,40 @@ gathering the full tensors back.
 A tensor-parallel layer reports its split parameters through `tp_shards()` (name -> spec);
 nothing is attached to the parameters themselves. Every other parameter is replicated.
 
-Initialisation (Megatron-LM's rule, DESIGN.md section 4): each rank draws the *full*
-tensor of every parameter from a generator seeded by (seed, parameter name), then keeps
-its slice. The draw does not depend on tp, on the order modules were built or on other
-parameters, so a model at any tp starts from exactly the weights of the tp=1 model, and
-only one full parameter exists at a time.
+Initialisation (Megatron-LM's rule, DESIGN.md section 4): every parameter's value is
+defined as a whole tp=1 tensor from (seed, parameter name), and each rank keeps its slice,
+so a model at any tp starts from exactly the weights of the tp=1 model. The random values
+are counter-based (hybrid.tensor_parallel.seeded): element i of the tp=1 tensor is a pure
+function of (seed, name, i), so a rank draws only the elements it keeps (its TP slice, or
+under ZeRO-3 only its DP shard of it), never the full tensor. The model's rule says, per
+parameter, value = fill + std * N(0, 1).
 """
 
 from __future__ import annotations
 
-import hashlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..comm import Group
+from .seeded import seeded_normal
 
-InitRule = Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor]
+CHUNK = 1 << 22  # local elements per pass: bounds the index temporaries (8 bytes each)
+
+
+class Init(NamedTuple):
+    """A parameter's initial distribution: value = fill + std * N(0, 1) elementwise;
+    std == 0 is the constant `fill` (nothing drawn)."""
+
+    fill: float
+    std: float = 0.0
+
+
+InitRule = Callable[[str, tuple[int, ...]], Init]  # (name, tp=1 shape) -> Init
 
 
 @dataclass(frozen=True)
@@ -54,14 +69,66 @@ def full_shape(param: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def parameter_generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+def local_shape(full: tuple[int, ...], spec: ShardSpec | None) -> tuple[int, ...]:
+    """The shape of one rank's slice of a tp=1 tensor (padding included)."""
+    if spec is None:
+        return full
+    shape = list(full)
+    shape[spec.dim] = -(-spec.logical_size // spec.parts)
+    return tuple(shape)
+
+
+def full_indices(
+    full: tuple[int, ...], spec: ShardSpec | None, rank: int, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Where this TP rank's local flat elements [start, end) sit in the flattened tp=1
+    tensor, and which of them are real (None: all; the others are padding past
+    `logical_size` along the split dim, whose index is meaningless)."""
+    local = torch.arange(start, end, dtype=torch.int64)
+    if spec is None:
+        return local, None
+    # Row-major (outer, j, inner) over the local shape; only j, along the split dim, moves.
+    width = local_shape(full, spec)[spec.dim]
+    inner = math.prod(full[spec.dim + 1 :])
+    outer, rest = local // (width * inner), local % (width * inner)
+    j, k = rest // inner + rank * width, rest % inner
+    real = j < spec.logical_size
+    return (outer * spec.logical_size + j) * inner + k, real
+
+
+def seeded_elements(
+    name: str,
+    full: tuple[int, ...],
+    spec: ShardSpec | None,
+    seed: int,
+    rule: InitRule,
+    rank: int,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """Local flat elements [start, end) (float32, CPU) of this TP rank's slice of parameter
+    `name`'s seeded value: its tp=1 tensor of shape `full`, sliced and zero-padded as
+    `local_slice` does. Only those elements' random values are drawn, padding excluded."""
+    fill, std = rule(name, full)
+    out = torch.empty(end - start, dtype=torch.float32)
+    for lo in range(start, end, CHUNK):
+        hi = min(end, lo + CHUNK)
+        index, real = full_indices(full, spec, rank, lo, hi)
+        piece = out[lo - start : hi - start]
+        if std == 0:
+            piece.fill_(fill)
+        elif real is None:
+            piece.copy_(seeded_normal(seed, name, index) * std + fill)
+        else:
+            piece[real] = seeded_normal(seed, name, index[real]) * std + fill
+        if real is not None:
+            piece.masked_fill_(~real, 0.0)
+    return out
 
 
 @torch.no_grad()
 def init_from_seed(model: nn.Module, seed: int, rule: InitRule, rank: int) -> None:
-    """Fill every parameter with this TP rank's slice of its seeded full tensor."""
+    """Fill every parameter with this TP rank's slice of its seeded tp=1 value."""
     specs = parameter_shards(model)
     for name, param in model.named_parameters():
         param.copy_(seeded_slice(name, param, specs.get(name), seed, rule, rank))
@@ -70,10 +137,10 @@ def init_from_seed(model: nn.Module, seed: int, rule: InitRule, rank: int) -> No
 def seeded_slice(
     name: str, param: torch.Tensor, spec: ShardSpec | None, seed: int, rule: InitRule, rank: int
 ) -> torch.Tensor:
-    """This TP rank's slice of parameter `name`'s seeded full tensor (`param` may be on
-    the meta device: only its shape is read)."""
-    full = rule(name, full_shape(param, spec), parameter_generator(seed, name))
-    return local_slice(full, spec, rank)
+    """This TP rank's slice of parameter `name`'s seeded tp=1 value, shaped like `param`
+    (which may be on the meta device: only its shape is read); CPU, float32."""
+    full = full_shape(param, spec)
+    return seeded_elements(name, full, spec, seed, rule, rank, 0, param.numel()).view(param.shape)
 
 
 def local_slice(full: torch.Tensor, spec: ShardSpec | None, rank: int) -> torch.Tensor:

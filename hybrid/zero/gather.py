@@ -8,9 +8,20 @@ asynchronously as soon as the current one is in use (prefetch), so the collectiv
 while the current bucket computes: forward walks the buckets first to last, backward last
 to first.
 
-Freeing swaps a parameter's `.data` for an empty tensor; gathering swaps the full view
-back. Autograd's saved references are to the parameter objects, so backward sees the
-regathered values.
+Note (the invariant that makes stage 3 hold only a few buckets): each bucket has one flat
+buffer for its whole life, and every parameter's `.data` is a view into it, set once.
+Freeing releases the buffer's *storage* (resized to 0 bytes); gathering reallocates it
+and writes the shards into it. Autograd saves views of parameters (`F.linear` saves
+`weight.t()`), and a view shares its base's storage, so once a bucket is freed no saved
+tensor anywhere keeps its memory alive, and the regather before backward makes every
+saved view valid again (FSDP frees its flat parameters the same way). Swapping `p.data`
+instead would release the parameter but not the views autograd saved: the whole model
+would stay alive from forward to backward. A freed bucket's parameters keep their shapes
+but must not be read until gathered.
+
+The all-gather writes into memory that saved views point at; the write is the restore of
+the values they were saved with, so the version counter that guards saved tensors against
+in-place changes is kept as it was.
 """
 
 from __future__ import annotations
@@ -24,6 +35,11 @@ from ..comm import Group, Handle
 from .bucket import FlatBucket
 
 
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes the tensor's storage holds now (0 once freed)."""
+    return tensor.untyped_storage().nbytes()
+
+
 class ParameterGatherer:
     def __init__(
         self,
@@ -34,11 +50,17 @@ class ParameterGatherer:
         device: torch.device,
     ) -> None:
         self.buckets, self.shards, self.group = buckets, shards, group
-        self.dtype, self.device = dtype, device
-        self._full: dict[int, torch.Tensor] = {}  # bucket index -> gathered flat buffer
-        self._inflight: dict[int, tuple[Handle, torch.Tensor]] = {}
-        for index in range(len(buckets)):
-            self.free(index)
+        # One flat buffer per bucket, for good; allocated and released one at a time here,
+        # so the full model never exists on this rank.
+        self._flat: list[torch.Tensor] = []
+        for bucket in buckets:
+            flat = torch.empty(bucket.numel, dtype=dtype, device=device)
+            for p, view in zip(bucket.params, bucket.views(flat), strict=True):
+                p.data = view
+            flat.untyped_storage().resize_(0)
+            self._flat.append(flat)
+        self._held: set[int] = set()  # bucket indices whose storage is allocated
+        self._inflight: dict[int, Handle] = {}
 
     def hook(self, model: nn.Module, units: list[nn.Module]) -> None:
         """Gather before forward and before backward, free after each; prefetch the next
@@ -65,36 +87,38 @@ class ParameterGatherer:
 
     def prefetch(self, index: int) -> None:
         """Start gathering bucket `index` (no-op if out of range, gathered or under way)."""
-        if not 0 <= index < len(self.buckets) or index in self._full or index in self._inflight:
+        if not 0 <= index < len(self.buckets) or index in self._held:
             return
-        full = torch.empty(self.buckets[index].numel, dtype=self.dtype, device=self.device)
-        self._inflight[index] = (self.group.all_gather_into(full, self.shards[index]), full)
+        flat = self._flat[index]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        self._held.add(index)
+        with torch.autograd._unsafe_preserve_version_counter(flat):
+            self._inflight[index] = self.group.all_gather_into(flat, self.shards[index])
 
     def gather(self, index: int) -> None:
         """Make bucket `index`'s full parameters usable now."""
-        if index in self._full:
-            return
         self.prefetch(index)
-        handle, full = self._inflight.pop(index)
-        handle.wait()
-        bucket = self.buckets[index]
-        for p, view in zip(bucket.params, bucket.views(full), strict=True):
-            p.data = view
-        self._full[index] = full
+        handle = self._inflight.pop(index, None)
+        if handle is not None:
+            handle.wait()
 
     def free(self, index: int) -> None:
-        for p in self.buckets[index].params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
-        self._full.pop(index, None)
+        """Release bucket `index`'s full buffer (its parameters' views stay, unreadable)."""
+        handle = self._inflight.pop(index, None)
+        if handle is not None:  # never read, but the collective must end before the free
+            handle.wait()
+        self._flat[index].untyped_storage().resize_(0)
+        self._held.discard(index)
 
     def check_idle(self) -> None:
         """Between steps nothing may stay gathered or in flight: a gather issued before the
         optimizer step would deliver stale parameters after it."""
-        if self._full or self._inflight:
-            busy = sorted(set(self._full) | set(self._inflight))
-            raise RuntimeError(f"ZeRO-3 buckets {busy} are still gathered at the optimizer step")
+        if self._held:
+            raise RuntimeError(
+                f"ZeRO-3 buckets {sorted(self._held)} are still gathered at the optimizer step"
+            )
 
     def held_bytes(self) -> int:
-        """Bytes of gathered (and in-flight) full buffers right now."""
-        tensors = list(self._full.values()) + [full for _, full in self._inflight.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of gathered (and in-flight) full buffers right now, read from their
+        storages."""
+        return sum(storage_bytes(flat) for flat in self._flat)

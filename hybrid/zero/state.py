@@ -50,13 +50,28 @@ def initial_value(model: nn.Module, name: str, param: nn.Parameter) -> torch.Ten
     return make(name)
 
 
+def initial_values(
+    model: nn.Module, name: str, param: nn.Parameter, start: int, end: int
+) -> torch.Tensor:
+    """Elements [start, end) of the flattened `initial_value`, as a 1-D tensor. For a meta
+    parameter the model is asked for just those (`model.initial_values(name, start, end)`,
+    which draws only them), else for the whole TP slice, then sliced."""
+    if param.device.type != "meta":
+        return param.detach().reshape(-1)[start:end]
+    make = getattr(model, "initial_values", None)
+    if make is not None:
+        return make(name, start, end)
+    return initial_value(model, name, param).reshape(-1)[start:end]
+
+
 @torch.no_grad()
 def materialise(
     model: nn.Module, bucket: FlatBucket, stage: int, dtype: torch.dtype, device: torch.device
 ) -> BucketState:
     """Allocate the bucket's tensors on `device` and fill them from the parameters (or
     their initial values): all of them at stages 0-2, only this rank's shard at stage 3,
-    so under stage 3 the full bucket never exists on one rank."""
+    so under stage 3 the full bucket never exists on one rank, and a model built on meta
+    computes (draws) only the elements of that shard."""
     if stage < 3:
         flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
         for i, (name, p) in enumerate(zip(bucket.names, bucket.params, strict=True)):
@@ -68,9 +83,10 @@ def materialise(
     else:
         flat = None
         shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+        # Only this rank's pieces are asked for: a seeded model draws 1/dp of its TP slice.
         for i, start, end, offset in bucket.pieces():
-            value = initial_value(model, bucket.names[i], bucket.params[i]).reshape(-1)
-            shard[offset : offset + end - start] = value[start:end]
+            value = initial_values(model, bucket.names[i], bucket.params[i], start, end)
+            shard[offset : offset + end - start] = value
     master = shard if dtype == torch.float32 else shard.float()
     grads = torch.zeros(bucket.numel, dtype=dtype, device=device) if stage == 0 else None
     state = BucketState(flat, shard, master, grads, [False] * len(bucket.params))

@@ -36,7 +36,7 @@ from hybrid.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from hybrid.tensor_parallel.layers import parallel_linear_input
-from hybrid.tensor_parallel.shards import full_shape, local_slice, seeded_slice
+from hybrid.tensor_parallel.shards import Init, full_shape, local_slice, seeded_elements
 
 from .attention import CausalSelfAttention
 from .config import GPTConfig
@@ -125,7 +125,8 @@ class GPT(nn.Module):
 
     def reset_parameters(self, seed: int) -> None:
         """GPT-2 initialisation (Radford et al. 2019, section 2.3), drawn per parameter from
-        (seed, name) so every tp slices the same full weights (hybrid.tensor_parallel.shards).
+        (seed, name) so every tp slices the same full weights (hybrid.tensor_parallel.shards);
+        a rank draws only the random values of its own slice (counter-based: seeded.py).
 
         Weights N(0, 0.02), biases 0, norm gains 1; the residual projections that write
         into the residual stream (attention and MLP output) are scaled by 1/sqrt(2 n_layer),
@@ -172,21 +173,30 @@ class GPT(nn.Module):
 
     def initial_value(self, name: str) -> torch.Tensor:
         """This TP rank's slice of parameter `name`'s initial value (the imported tensor,
-        or the seeded draw of `reset_parameters`); one full parameter at a time, for
+        or the seeded draw of `reset_parameters`); one parameter at a time, for
         materialising a model built on the meta device."""
+        param = self.get_parameter(name)
+        return self.initial_values(name, 0, param.numel()).view(param.shape)
+
+    def initial_values(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened `initial_value(name)`, as a 1-D tensor.
+        Seeded, only those elements are drawn (hybrid.tensor_parallel.seeded), so a ZeRO-3
+        rank draws only its DP shard of its TP slice."""
         param = self.get_parameter(name)
         spec = parameter_shards(self).get(name)
         if self._init_weights is not None:
-            return local_slice(self._init_weights[name], spec, self.tp.rank).to(param.dtype)
-        return seeded_slice(name, param, spec, self.seed, self._init_rule, self.tp.rank)
+            local = local_slice(self._init_weights[name], spec, self.tp.rank)
+            return local.reshape(-1)[start:end].to(param.dtype)
+        full = full_shape(param, spec)
+        rank = self.tp.rank
+        return seeded_elements(name, full, spec, self.seed, self._init_rule, rank, start, end)
 
-    def _init_rule(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    def _init_rule(self, name: str, shape: tuple[int, ...]) -> Init:
+        """GPT-2's distribution of parameter `name` (see `reset_parameters`)."""
         if name.endswith("bias") or (".ln_" in name or name.startswith("ln_")):
-            fill = 1.0 if name.endswith("weight") else 0.0
-            return torch.full(shape, fill)
+            return Init(fill=1.0 if name.endswith("weight") else 0.0)
         residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
-        std = residual_std if name.endswith("proj.weight") else INIT_STD
-        return torch.randn(shape, generator=gen) * std
+        return Init(fill=0.0, std=residual_std if name.endswith("proj.weight") else INIT_STD)
 
     def forward(
         self,

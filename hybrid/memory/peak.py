@@ -1,0 +1,399 @@
+"""The peak of a training step: what one rank holds at each moment of a step, and the
+largest of those moments, which is what an allocator's high-water mark measures
+(`torch.cuda.max_memory_allocated`; on CPU `torch.distributed._tools.mem_tracker`).
+
+Each moment adds three kinds of bytes, each alive then by the engine's code
+(hybrid.engine, hybrid.zero, models/gpt, hybrid.recompute):
+- model states: ZeRO's (Rajbhandari et al. 2020, arXiv 1910.02054, section 5): the
+  parameters (flat buffers at stages 0-2, shards at 3), fp32 master and Adam moments, the
+  persistent gradient buffer at stage 0 and the gradient shards reduced so far at 1-3;
+- activations: what autograd keeps (Korthikanti et al. 2022, arXiv 2205.05198, section 4,
+  hybrid.memory.activations) for the layers not yet back-propagated, and the transients
+  of the operation running then;
+- buffers: stage 3's gathered buckets, gradient buckets being filled or reduced, the
+  output layer's weight gradient, the optimizer step's fp32 gradients.
+
+The moments, for the last micro-batch of a step (earlier ones hold less: the last one
+carries the gradients of all before it):
+- forward, layer l: activations of the layers before l and all of layer l's; at stage 3
+  the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather);
+- forward, loss: every layer's activations, the final norm's and the output layer's
+  input, and the cross-entropy's working set on this rank's logits (the low-precision
+  logits, their fp32 copy, the shifted copy and its exponential: e + 12 bytes per logit
+  in bf16, 12 in fp32); stage 3 holds the root bucket through the whole forward;
+- backward, loss: the saved softmax, its gradient and the gradient cast to the logits'
+  dtype (4 + 4 + e bytes per logit; 8 in fp32); stage 3 gathers the root bucket and
+  prefetches the last unit as backward starts;
+- backward, output layer: the logits' gradient and the output weight's gradient (held
+  by autograd until the embedding's part is added when the embeddings are tied);
+- backward, layer l (from the last): activations of layers <= l (a fully recomputed
+  layer all of them again), the residual stream's gradient and the MLP projection's
+  input and weight gradients (the layer's largest transient); at stages 1-3 the gradient
+  buffers of the root bucket (opened by the final norm) and of l's bucket, and the
+  reduction in flight, a full buffer and its shard (hybrid.engine._reduce waits for it
+  one bucket later, so at most two are in flight, ZeRO section 5.2); at stage 3 the root
+  bucket, unit l and unit l - 1 (prefetched) gathered;
+- backward, bucket k reduced: its shard output joins while the previous reduction is
+  waited for;
+- backward, embedding: the embedding's weight gradient next to the output layer's;
+  then the root bucket's reduction with the first unit's still in flight;
+- optimizer step: every gradient shard (stage 0: the full buffer) cast to fp32 in bf16
+  and fp16, all alive until the step returns; fused AdamW, the global norm and stages
+  1-2's all-gather work in place.
+
+Which moment is the peak, and why (each seen in tests/test_plan_instrument.py):
+- when the activations dominate, at every stage the forward's loss: every activation
+  is alive and the cross-entropy's fp32 working set comes on top (4 bytes per logit more
+  than in its backward);
+- stage 0 otherwise: the last layer's backward (all activations but the output's, the
+  tied output weight's gradient, the layer's transients), or in mixed precision the
+  optimizer step (4 Psi of fp32 gradients over 16 Psi of model states);
+- stages 1-2 otherwise: the end of backward (the root bucket's reduction issued while
+  the last unit bucket's, up to `bucket_mb`, is waited for) or the last layer's backward
+  (that bucket's buffer open over nearly all activations);
+- stage 3 otherwise: the backward of the last layers, with nearly all activations
+  alive, three buckets gathered (root, current, prefetched) and two gradient buffers
+  open.
+
+`backend="gloo"` (CPU) adds what torch 2.13's ProcessGroupGloo allocates: a copy of
+every reduce-scatter's input and a staging buffer for every all-gather's output (stage 3's
+prefetch, stages 1-2's publish after the step), from the call until its wait (NCCL needs
+none; measured with peak RSS: +30 MiB for a 28 MiB bucket either way). It is made
+inside the collective, so a tracker of torch's operations (MemTracker) sees it only once
+it is waited for; `Moment.seen` is a moment without what such a tracker cannot see.
+
+Not counted (each under 1% of a layer at h >= 64): norm statistics, token ids, the
+loss's index tensors, the Adam step counters. The reserve (CUDA context, NCCL, allocator
+fragmentation) is not a moment of the step; hybrid.memory.planner adds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..zero.bucket import group_units, max_bucket_numel
+from .activations import TransformerShape, layer_bytes
+from .model_states import bucket_numels, precision_bytes, zero_state_bytes
+
+FP32 = 4
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class Moment:
+    """Bytes one rank holds at one moment of a step, by kind. Of them, `parameters` are in
+    parameter storage (stages 0-2: the flat buffers, a model state; stage 3: the gathered
+    buckets, a buffer), what MemTracker files under "Parameter"; `unseen` are buffers a
+    collective allocated inside itself (gloo's copies of reduce-scatter inputs not being
+    waited for), which no tracker at torch's dispatch level (MemTracker) sees then."""
+
+    name: str
+    model_states: float
+    activations: float
+    buffers: float
+    parameters: float = 0.0
+    unseen: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+    @property
+    def seen(self) -> float:
+        """What a dispatch-level tracker sees at this moment."""
+        return self.total - self.unseen
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What the moments depend on: a hybrid.memory.planner.Layout's fields, and the
+    collectives' backend."""
+
+    stage: int
+    dp: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    recompute_every: int = 1
+    micro_batch: int = 1
+    micro_batches: int = 1
+    precision: str = "bf16"
+    bucket_mb: float = 25.0
+    backend: str = "nccl"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} must be one of {list(BACKENDS)}")
+
+
+def step_peak(
+    layout: StepLayout,
+    root: int,
+    units: Sequence[int],
+    shape: TransformerShape | None,
+    seen: bool = False,
+) -> Moment:
+    """The largest moment of a step (the first of equals); with `seen`, the largest as a
+    dispatch-level tracker sees them (`Moment.seen`: what MemTracker measures on gloo)."""
+    moments = step_moments(layout, root, units, shape)
+    return max(moments, key=lambda m: m.seen if seen else m.total)
+
+
+def step_moments(
+    layout: StepLayout, root: int, units: Sequence[int], shape: TransformerShape | None
+) -> list[Moment]:
+    """Every moment of a step, in order (see the module docstring). `root` and `units`
+    are the parameter elements of bucket 0 and of each unit (layer) on this TP rank;
+    without a shape there are no activations, only model states and buffers."""
+    return _Step(layout, root, tuple(units), shape).moments()
+
+
+class _Step:
+    def __init__(
+        self,
+        layout: StepLayout,
+        root: int,
+        units: tuple[int, ...],
+        shape: TransformerShape | None,
+    ) -> None:
+        self.layout, self.shape = layout, shape
+        self.e, _ = precision_bytes(layout.precision)
+        stage, dp, e = layout.stage, layout.dp, self.e
+        self.numels = bucket_numels(root, units, stage, dp, layout.precision, layout.bucket_mb)
+        self.shards = [n // dp for n in self.numels] if stage >= 1 else list(self.numels)
+        cap = max_bucket_numel(stage, layout.bucket_mb, e)
+        self.bucket = [1 + g for g, group in enumerate(group_units(units, cap)) for _ in group]
+        states = zero_state_bytes(root, units, stage, dp, layout.precision, layout.bucket_mb)
+        # Held for the whole run: parameters, master and moments, stage 0's gradients.
+        self.persistent = float(states["parameters"] + states["optimizer"])
+        if stage == 0:
+            self.persistent += states["gradients"]
+        # Gradients the earlier micro-batches left: stage 1 accumulates full buffers (it
+        # reduces in the last backward only), stages 2-3 reduced shards.
+        self.carried = 0.0
+        if layout.micro_batches > 1 and stage >= 1:
+            self.carried = e * sum(self.numels if stage == 1 else self.shards)
+        self._activations(len(units))
+
+    def _activations(self, layers: int) -> None:
+        """Per-layer and per-moment activation bytes (hybrid.memory.activations)."""
+        shape, layout, e = self.shape, self.layout, self.e
+        self.kept, self.working = [0.0] * layers, [0.0] * layers
+        self.embedding = self.output = self.loss_forward = self.loss_backward = 0.0
+        self.logit_grad = self.residual = self.gathered_input = self.flow = 0.0
+        self.table = self.proj_input = 0.0
+        self.tied = True
+        if shape is None:
+            return
+        args = (shape, layout.micro_batch, layout.tp, layout.sequence_parallel)
+        full = layer_bytes(*args, "none", e)
+
+        def mode(index: int) -> str:
+            if layout.recompute != "full":
+                return layout.recompute
+            return "full" if index % layout.recompute_every == 0 else "none"
+
+        # Kept for backward; and held while the layer's backward runs: everything when its
+        # forward is re-run first (Korthikanti section 5), the attention core again under
+        # selective recomputation.
+        self.kept = [layer_bytes(*args, mode(i), e) for i in range(layers)]
+        self.working = [full if mode(i) != "none" else k for i, k in enumerate(self.kept)]
+        t, h = layout.tp, shape.hidden
+        tokens = shape.seq_len * layout.micro_batch
+        vocab = -(-shape.vocab // t)  # this rank's vocabulary slice
+        chunk = t if layout.sequence_parallel else 1
+        cast = FP32 if e != FP32 else 0  # the loss's fp32 copy of the logits
+        self.embedding = tokens * h / chunk if shape.dropout else 0.0  # its 1-byte mask
+        self.output = 2 * e * tokens * h / chunk  # the final norm's input and output
+        self.loss_forward = (e + cast + 2 * FP32) * tokens * vocab
+        self.loss_backward = (2 * FP32 + (e if cast else 0)) * tokens * vocab
+        self.logit_grad = e * tokens * vocab
+        self.residual = e * tokens * h / chunk
+        # Under sequence parallelism a linear layer's backward gathers the whole sequence
+        # (hybrid.tensor_parallel.layers; Korthikanti section 4.2.2): one full activation.
+        self.gathered_input = e * tokens * h if layout.sequence_parallel else 0.0
+        f = shape.ffn / t
+        self.proj_input = e * tokens * f  # saved by the MLP's output projection
+        self.flow = self.residual + self.gathered_input + e * (tokens * f + h * f)
+        self.table = e * vocab * h  # the output layer's weight gradient
+        self.tied = shape.tied_embeddings
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _moment(
+        self,
+        name: str,
+        states: float,
+        activations: float,
+        buffers: float,
+        gathered: tuple[int, ...] = (),
+        unseen: float = 0.0,
+    ) -> Moment:
+        """A moment; at stage 3 the buckets in `gathered` are held too (buffers)."""
+        held = self._gathered(gathered)
+        parameters = held if self.layout.stage == 3 else float(self.e * sum(self.numels))
+        return Moment(name, states, activations, buffers + held, parameters, unseen)
+
+    def _gathered(self, buckets: tuple[int, ...]) -> float:
+        """Stage 3: bytes of the gathered buckets among `buckets` (others skipped)."""
+        if self.layout.stage != 3:
+            return 0.0
+        chosen = {k for k in buckets if 0 <= k < len(self.numels)}
+        return float(self.e * sum(self.numels[k] for k in chosen))
+
+    def _open(self, bucket: int) -> float:
+        """Stages 1-3: full gradient buffers open while bucket `bucket` fills (the root
+        bucket's, opened first, and its own); stage 1 after several micro-batches: every
+        bucket not yet reduced."""
+        if self.layout.stage == 0:
+            return 0.0
+        if self.layout.stage == 1 and self.carried:
+            return float(self.e * (self.numels[0] + sum(self.numels[1 : bucket + 1])))
+        return float(self.e * (self.numels[0] + (self.numels[bucket] if bucket else 0)))
+
+    def _opens(self, layer: int) -> bool:
+        """Whether `layer`'s backward opens its bucket's gradient buffer (the first
+        layer of the bucket that backward reaches; none is opened after stage 1's
+        earlier micro-batches: the buffers are there)."""
+        if self.layout.stage == 0 or (self.layout.stage == 1 and self.carried):
+            return False
+        return layer + 1 == len(self.bucket) or self.bucket[layer + 1] != self.bucket[layer]
+
+    def _in_flight(self, bucket: int) -> float:
+        """A reduce-scatter issued and not yet waited for: its input (the full buffer),
+        its shard output and, on gloo, the backend's copy of the input."""
+        return self.e * (self.numels[bucket] + self.shards[bucket]) + self._copy(bucket)
+
+    def _copy(self, bucket: int) -> float:
+        """gloo's copy of a reduce-scatter's input, made inside the call and released
+        when its work is waited for and dropped (torch 2.13's ProcessGroupGloo)."""
+        return float(self.e * self.numels[bucket]) if self.layout.backend == "gloo" else 0.0
+
+    def _gather_copy(self, bucket: int) -> float:
+        """gloo's staging of an all-gather's output (its own buffer of the output's size,
+        from the call until the wait): stage 3's prefetch of bucket `bucket`."""
+        if self.layout.backend != "gloo" or self.layout.stage != 3:
+            return 0.0
+        return float(self.e * self.numels[bucket]) if 0 <= bucket < len(self.numels) else 0.0
+
+    # ---- moments ---------------------------------------------------------------------
+
+    def moments(self) -> list[Moment]:
+        return [*self._forward(), *self._backward(), self._optimizer_step(), *self._publish()]
+
+    def _publish(self) -> list[Moment]:
+        """Stages 1-2 all-gather the updated parameters after the step, at most two
+        buckets in flight (hybrid.engine.publish_masters); on gloo each stages its output
+        in a buffer of its own until waited for."""
+        if self.layout.stage not in (1, 2) or self.layout.backend != "gloo":
+            return []
+        staged = float(self.e * sum(sorted(self.numels)[-2:]))
+        return [self._moment("publish parameters", self.persistent, 0.0, staged, (), staged)]
+
+    def _forward(self) -> list[Moment]:
+        """Stage 3 holds the root bucket through forward, each unit with the next one
+        prefetched (hybrid.zero.gather.ParameterGatherer.hook)."""
+        states = self.persistent + self.carried
+        moments, below = [], self.embedding
+        for layer, k in enumerate(self.bucket):
+            activations = below + self.working[layer]
+            name = f"forward, layer {layer}"
+            staged = self._gather_copy(k + 1)  # the prefetch in flight
+            moment = self._moment(name, states, activations, staged, (0, k, k + 1), staged)
+            moments.append(moment)
+            below += self.kept[layer]
+        activations = below + self.output + self.loss_forward
+        moments.append(self._moment("forward, loss", states, activations, 0.0, (0,)))
+        return moments
+
+    def _backward(self) -> list[Moment]:
+        stage, last = self.layout.stage, len(self.numels) - 1
+        everything = self.embedding + sum(self.kept) + self.output
+        states = self.persistent + self.carried
+        # Untied output weights: the engine's hook copies their gradient at once (into the
+        # root bucket's buffer at stages 1-3); tied ones autograd holds to the end.
+        output = self.table + (0.0 if self.tied or stage == 0 else self._open(0))
+        at_loss = everything + self.loss_backward
+        moments = [
+            self._moment(
+                "backward, loss",
+                states,
+                at_loss,
+                self._gather_copy(last),
+                (0, last),
+                self._gather_copy(last),
+            ),
+            self._moment(
+                "backward, output layer",
+                states,
+                everything + self.logit_grad + self.residual + 2 * self.gathered_input,
+                output,
+                (0, last),
+            ),
+        ]
+        held = self.table if self.tied else 0.0
+        # Stage 1's carried full buffers are counted as open buffers below.
+        states = self.persistent + (self.carried if stage >= 2 else 0.0)
+        new_shards = self.carried == 0.0 or stage == 1  # else folded into carried ones
+        pending = copy = 0.0  # the reduction in flight, and gloo's copy in it
+        below = everything - self.output
+        for layer in range(len(self.bucket) - 1, -1, -1):
+            k = self.bucket[layer]
+            below -= self.kept[layer]
+            previous = k - 1 if k > 1 else -1  # prefetched at stage 3 (bucket 0 is held)
+            activations = below + self.working[layer] + self.flow
+            buffers = held + self._open(k) + pending
+            if self._opens(layer):
+                # Bucket k's buffer opens with its first gradient, the projection's weight
+                # gradient, after the projection's backward released its saved input:
+                # the larger of the moments before and after.
+                opening = self.e * self.numels[k]
+                if opening > self.proj_input:
+                    activations -= self.proj_input
+                else:
+                    buffers -= opening
+            name = f"backward, layer {layer}"
+            gathered = (0, k, previous)
+            staged = self._gather_copy(previous)
+            moment = self._moment(
+                name, states, activations, buffers + staged, gathered, copy + staged
+            )
+            moments.append(moment)
+            if stage >= 1 and (layer == 0 or self.bucket[layer - 1] != k):
+                # Bucket k complete: issued (stage 3 frees its gathered buffer), then the
+                # reduction before it is waited for and folded into its shard.
+                issued = self._in_flight(k)
+                buffers = held + self._open(k) - self.e * self.numels[k] + issued + pending
+                name = f"backward, bucket {k} reduced"
+                activations = below + self.residual
+                unseen = self._copy(k)  # the one waited for is seen as it is waited for
+                moment = self._moment(name, states, activations, buffers, (0, previous), unseen)
+                moments.append(moment)
+                if pending and new_shards:
+                    states += self.e * self.shards[k + 1]
+                pending, copy = issued, self._copy(k)
+        # The embedding's weight gradient (added to the output layer's when tied), then
+        # bucket 0 issued while bucket 1's reduction is waited for.
+        buffers = self._open(0) + pending + held + self.table
+        name = "backward, embedding"
+        moments.append(self._moment(name, states, self.embedding, buffers, (0,), copy))
+        if stage >= 1:
+            buffers = self._in_flight(0) + pending
+            name, unseen = "backward, root bucket reduced", self._copy(0)
+            moments.append(self._moment(name, states, 0.0, buffers, (), unseen))
+        return moments
+
+    def _optimizer_step(self) -> Moment:
+        """hybrid.engine.step: bucket by bucket, the gradient shard (stage 0: the full
+        buffer) is cast to fp32 and kept until the step returns, and the low-precision
+        shard is released; in fp32 the shards are the gradients."""
+        e, stage = self.e, self.layout.stage
+        shards = self.shards if stage >= 1 else self.numels
+        if e == FP32:
+            held = 0.0 if stage == 0 else e * sum(shards)
+            return self._moment("optimizer step", self.persistent + held, 0.0, 0.0)
+        buffers = FP32 * sum(shards) + (e * shards[-1] if stage >= 1 else 0.0)
+        if self.layout.precision == "fp16":  # the overflow check's boolean masks
+            buffers += 2 * max(shards)
+        return self._moment("optimizer step", self.persistent, 0.0, float(buffers))
