@@ -36,7 +36,7 @@ COMMON = [
     "model.dropout=0.0",
     "parallel.tp=1",
     "train.precision=fp32",
-    "train.global_batch_size=4",
+    "train.global_batch_size=8",  # 2 micro-batches a rank: stage 1 keeps full gradients
     "train.micro_batch_size=2",
     "train.warmup_steps=1",
     "train.eval_batches=1",
@@ -141,7 +141,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         "",
         f"`python benchmarks/run_memory.py --steps {args.steps}`: `launch.pretrain` at dp=2, "
         "fp32, a 12-layer d_model 768 GPT (vocabulary 512, sequence 128, micro-batch 2, "
-        "global batch 4), with evaluation, a checkpoint, a sample and the final weights. "
+        "global batch 8: two micro-batches a rank), with evaluation, a checkpoint, a "
+        "sample and the final weights. "
         "Measured: peak RSS of the largest rank (the kernel's `ru_maxrss`) less that of the "
         "same job with a 1-layer d_model 64 model. Planned: the planner's peak of a step.",
         "",
