@@ -1,4 +1,4 @@
-"""A sharded save writes the engine's tensors without copying them (MemTracker): DCP's
+"""A sharded save writes the engine's tensors without copying them (peak RSS): DCP's
 writer clones any tensor whose storage is larger than itself and keeps every clone until
 its file is written, so chunks that were plain views of the flat buffers cost a second
 copy of everything a rank saves (hybrid.checkpoint._own_storage)."""
@@ -14,6 +14,5 @@ from hybrid.testing import run_processes
 
 def test_a_save_does_not_copy_what_it_writes(tmp_path: Path) -> None:
     for run in run_processes(checkpoint_memory_cases.save_peak, 2, str(tmp_path / "ckpt")):
-        # Small objects only (metadata, the random states): well under one parameter.
-        assert run["added"] < run["largest_parameter"], run
-        assert run["largest_parameter"] < run["written"] / 10  # a copy would show
+        # Metadata, file buffers and page rounding only: a copy would add all of it.
+        assert run["added"] < run["written"] / 5, run
