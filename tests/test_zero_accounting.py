@@ -1,5 +1,6 @@
 """The engine's model-state bytes and DP traffic against the ZeRO paper's formulas
-(hybrid.memory), on a 10.3M-parameter GPT in bf16 at dp 1, 2 and 4, every stage.
+(hybrid.memory), on a 2.6M-parameter GPT in bf16 at dp 1, 2 and 4, every stage (the
+formulas are exact once padding counts; benchmarks/zero_accounting.py runs 10.3M).
 
 The paper's stage 1 keeps full gradients; the engine's frees each bucket's full buffer once
 reduced, so after backward its stage 1 holds the gradient shard (engine_state_bytes)."""
@@ -13,7 +14,7 @@ from hybrid.memory import dp_traffic_bytes, engine_state_bytes, model_state_byte
 from hybrid.testing import run_processes
 from models.gpt import GPTConfig
 
-CONFIG = GPTConfig(n_layer=4, n_head=6, d_model=384, seq_len=128, vocab_size=8192)
+CONFIG = GPTConfig(n_layer=4, n_head=6, d_model=192, seq_len=128, vocab_size=4096)
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
@@ -22,7 +23,7 @@ def test_model_state_bytes_and_traffic_match_the_zero_formulas(dp: int) -> None:
     for rank in ranks:
         for r in rank:
             stage, psi, padding = r["stage"], r["psi"], r["padding"]
-            assert psi >= 10_000_000
+            assert psi >= 2_500_000
             measured = state_bytes(r)
             # Exactly the formula once padding counts as parameters; within 1% without.
             assert measured == sum(engine_state_bytes(stage, psi + padding, dp).values())

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
@@ -67,6 +66,8 @@ def corpus_fingerprint(paths: list[Path], text_field: str) -> str:
 def iter_documents(paths: list[Path], text_field: str, cache_dir: Path) -> Iterator[str]:
     """Yield text pieces in order. A text file is read paragraph by paragraph (its blank
     lines restored); a jsonl or parquet record is one document."""
+    import datasets  # here: about 1 s of start-up that a cached token file never needs
+
     datasets.disable_progress_bars()  # one bar per file is noise next to training's
     for path in paths:
         kind = _file_format(path)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 GPT2_DIR = ASSETS / "gpt2"
@@ -80,6 +80,10 @@ def load_tokenizer_folder(folder: str | Path) -> PreTrainedTokenizerBase:
         )
     if has_tokenizer(folder) and not (folder / "tokenizer.json").is_file():
         return byte_level_bpe(folder)  # GPT-2's original files, without a tokenizer.json
+    # Imported here: transformers' Auto classes import every model's mapping (about 3 s
+    # of every process's start-up), which the bundled and bpe tokenizers do not need.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 

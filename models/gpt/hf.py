@@ -25,14 +25,17 @@ import json
 import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, GPT2Config, LlamaConfig, PretrainedConfig
 
 from .config import GPTConfig
 from .hf_layouts import Reader, standalone, to_hf, to_ours
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 Tensor = torch.Tensor
 
@@ -99,6 +102,10 @@ def read_hf_config(path: str | Path) -> GPTConfig:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: a Hugging Face checkpoint needs it")
+    # Imported here: the Auto classes import every model's mapping (seconds of start-up
+    # for runs that read no Hugging Face folder).
+    from transformers import AutoConfig
+
     try:
         hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
@@ -195,7 +202,10 @@ def _gpt2_config(hf: PretrainedConfig) -> GPTConfig:
 
 
 def _gpt2_hf_config(config: GPTConfig) -> PretrainedConfig:
+    from transformers import GPT2Config  # here: its import pulls in the Auto mappings
+
     in_vocab = config.vocab_size is not None and config.vocab_size > 50256
+
     return GPT2Config.from_dict(
         {
             "architectures": ["GPT2LMHeadModel"],
@@ -261,6 +271,8 @@ def _rope_theta(hf: PretrainedConfig) -> float:
 
 def _llama_hf_config(config: GPTConfig) -> PretrainedConfig:
     # from_dict takes `rope_theta` in both transformers 4.x and 5.x.
+    from transformers import LlamaConfig  # here: as GPT2Config
+
     return LlamaConfig.from_dict(
         {
             "architectures": ["LlamaForCausalLM"],

@@ -111,7 +111,10 @@ class GPT(nn.Module):
         with torch.device(device or "cpu"):
             self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model, tp)
             if config.positions == "learned":
-                self.wpe = nn.Embedding(config.seq_len, config.d_model)
+                # Uninitialised here (reset_parameters draws it): nn.Embedding's own
+                # normal_ is wasted work, and on meta it imports torch._dynamo (~2 s).
+                empty = torch.empty(config.seq_len, config.d_model)
+                self.wpe = nn.Embedding(config.seq_len, config.d_model, _weight=empty)
             self.blocks = nn.ModuleList(
                 Block(config, tp, recompute, i) for i in range(config.n_layer)
             )
