@@ -94,7 +94,7 @@ class Engine:
             device = real[0] if real else torch.device("cpu")
         self.device = device
         self.loss_scale = config.initial_loss_scale if config.precision == "fp16" else 1.0
-        self._good_steps = 0
+        self.good_steps = 0  # fp16 steps since the loss scale last changed (checkpointed)
         self._micro_step = 0
 
         units = list(units or [])
@@ -286,7 +286,7 @@ class Engine:
             state.grad_shard = None
         if self._overflow(grads):
             self.loss_scale /= 2.0
-            self._good_steps = 0
+            self.good_steps = 0
             self.optimizer.zero_grad(set_to_none=True)
             return StepStats(float("nan"), True, self.loss_scale)
         norm = self._grad_norm()
@@ -304,8 +304,8 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.publish_masters()
         if self.config.precision == "fp16":
-            self._good_steps += 1
-            if self._good_steps % self.config.loss_scale_window == 0:
+            self.good_steps += 1
+            if self.good_steps % self.config.loss_scale_window == 0:
                 self.loss_scale *= 2.0
         return StepStats(norm, False, self.loss_scale)
 

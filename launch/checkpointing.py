@@ -78,6 +78,9 @@ def restore(
     state, rng = load_checkpoint(engine, path)
     engine.set_adam_steps(state["adam_steps"])
     engine.loss_scale = state["loss_scale"]
+    # fp16: the good steps since the scale last changed, so that the scale grows at the
+    # step an uninterrupted run's would (absent from older checkpoints).
+    engine.good_steps = state.get("good_steps", 0)
     if rng is not None and state["layout"] == _layout(topology):
         torch.set_rng_state(rng["default"])
         if "cuda" in rng:
@@ -99,6 +102,7 @@ def save(
         "consumed_samples": consumed_samples,
         "adam_steps": engine.adam_steps,
         "loss_scale": engine.loss_scale,
+        "good_steps": engine.good_steps,
         "layout": _layout(topology),
         "config": to_dict(config) | {"model": dataclasses.asdict(engine.module.config)},
     }

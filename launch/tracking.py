@@ -104,11 +104,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def rotate_old_metrics(run_dir: Path) -> None:
-    """A fresh run into a folder that has metrics keeps the old file under a dated name."""
+    """A fresh run into a folder that has metrics keeps the old file under a dated name
+    (with a counter if an older file has that name: a rename would replace it)."""
     path = run_dir / METRICS_FILE
     if path.exists():
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-        path.rename(run_dir / f"metrics-{stamp}.jsonl")
+        target, n = run_dir / f"metrics-{stamp}.jsonl", 0
+        while target.exists():
+            n += 1
+            target = run_dir / f"metrics-{stamp}-{n}.jsonl"
+        path.rename(target)
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> None:

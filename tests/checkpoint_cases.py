@@ -62,7 +62,9 @@ def run(
 
     def work() -> dict[str, Any]:
         # A different seed when loading: the checkpoint, not the init, must decide.
-        engine, topology = build(tp, stage, seed=3 if load_from is None else 99)
+        seed = 3 if load_from is None else 99
+        engine, topology = build(tp, stage, seed, sequence_parallel)
+        assert engine.tp.sequence_parallel == sequence_parallel
         out: dict[str, Any] = {}
         if load_from is not None:
             state, _ = load_checkpoint(engine, load_from)

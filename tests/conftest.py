@@ -6,18 +6,32 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybrid.testing import preload
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # helpers: small_run, tp_cases, wandb_log
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for each rank
+# torch is imported already (hybrid.testing): the variable no longer reaches this process's
+# own references, which on 2 busy cores ran up to 30x slower on two threads.
+torch.set_num_threads(1)
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Children of run_processes fork from a server that has these loaded: a child then starts in
 # milliseconds instead of importing torch, transformers and datasets again (most of the
 # suite's time on 2 cores).
-preload(["torch.distributed.checkpoint", "transformers", "datasets", "launch.pretrain"])
+# torch._dynamo: torch.optim's first optimizer imports it (~2 s a child otherwise).
+preload(
+    [
+        "torch.distributed.checkpoint",
+        "torch._dynamo",
+        "transformers",
+        "transformers.models.auto.tokenization_auto",
+        "datasets",
+        "launch.pretrain",
+    ]
+)
 
 
 @pytest.fixture(scope="session")

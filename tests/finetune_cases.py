@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from small_run import TINY_CONFIG
@@ -58,18 +59,20 @@ def prompt_completion_file(corpus: Path, path: Path, n: int = 48) -> Path:
     return path
 
 
-def finetune_losses(runs: dict[str, list[str]]) -> dict[str, list[dict]]:
-    """Run each fine-tuning config in one process group; rank 0 returns metrics.jsonl."""
+def finetune_losses(runs: dict[str, list[str]]) -> dict[str, Any]:
+    """Run each fine-tuning config in one process group; rank 0 returns each run's
+    metrics.jsonl, and under "ran" the steps each run ran itself (`train`'s history)."""
     env = init_distributed()
     try:
-        results = {}
+        results: dict[str, Any] = {"ran": {}}
         for name, overrides in runs.items():
             config = read_finetune_config(str(FINETUNE_CONFIG), overrides)
             dp = check_before_start(config, world_size_from_env())
-            train(config, env, dp, resume_from(config))
+            history = train(config, env, dp, resume_from(config))
             if env.is_main:
                 metrics = Path(config.run_dir) / "metrics.jsonl"
                 results[name] = [json.loads(line) for line in metrics.open()]
+                results["ran"][name] = [row["step"] for row in history]
         return results
     finally:
         shutdown(env)

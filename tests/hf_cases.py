@@ -50,10 +50,17 @@ def tokens(batch: int = 3, length: int = 17) -> torch.Tensor:
 
 
 def hf_reference(model: torch.nn.Module) -> dict[str, Any]:
-    """Transformers' logits of the inputs and its loss (it shifts the labels itself)."""
+    """Transformers' logits of the inputs, its loss (it shifts the labels itself) and the
+    loss's gradient norm over every parameter (torch.nn.utils.clip_grad_norm_)."""
     ids = tokens()
     with torch.no_grad():
-        return {"logits": model(ids[:, :-1]).logits, "loss": model(ids, labels=ids).loss.item()}
+        logits = model(ids[:, :-1]).logits
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+    model.zero_grad()
+    return {"logits": logits, "loss": loss.item(), "grad_norm": norm}
 
 
 def ours(model: GPT) -> dict[str, Any]:
@@ -64,7 +71,8 @@ def ours(model: GPT) -> dict[str, Any]:
 
 def tp2_imports(folders: dict[str, str]) -> dict[str, Any]:
     """At tp=2, for each family's folder: logits and loss of the imported model without
-    and with sequence parallelism (full recompute on, to run that path too), and the loss
+    and with sequence parallelism, and the gradient norm of one backward through an
+    Engine (under SP with full recompute, so the recomputed backward runs); and the loss
     and gathered weights of the model built on the meta device and materialised by a
     ZeRO-3 Engine from the imported tensors (GPT.initial_value)."""
 
@@ -78,6 +86,10 @@ def tp2_imports(folders: dict[str, str]) -> dict[str, Any]:
                 recompute = RecomputePolicy(Recompute.FULL if sp else Recompute.NONE)
                 model = GPT(config, tp, recompute, init_weights=weights).eval()
                 results[f"{family}/sp={sp}"] = ours(model)
+                engine = Engine(model, topology, tp, EngineConfig(), list(model.blocks))
+                ids = tokens()
+                engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+                results[f"{family}/sp={sp}"]["grad_norm"] = engine.step(0.0).grad_norm
             tp = TensorParallel.from_topology(topology, 0)
             meta = GPT(config, tp, device="meta", init_weights=weights).eval()
             engine = Engine(meta, topology, tp, EngineConfig(zero_stage=3), list(meta.blocks))

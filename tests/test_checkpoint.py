@@ -42,19 +42,24 @@ def test_reshard_tp2_dp2_stage3_to_other_layouts(tmp_path: Path) -> None:
 
 
 def _stop_and_resume(corpus: Path, cache: Path, root: Path, extra: list[str]) -> dict:
-    """In one process group: 20 steps straight, and 10 steps + a resumed run to 20."""
+    """In one process group: 20 steps straight, and 10 steps + a resumed run to 20, with
+    dropout, so the resumed losses match only if the random state was restored too. Per
+    run, the steps it ran itself (`train`'s own history): a rerun that missed its
+    checkpoint would run steps 1-20 again and give the same losses."""
     env = init_distributed()
     try:
-        losses = {}
+        losses, ran = {}, []
         for name, more in [("straight", []), ("resumed", ["train.stop_at=10"]), ("resumed", [])]:
             overrides = small_run_overrides(corpus, cache, root / name) + extra + more
             overrides += ["train.steps=20", "train.eval_every=20", "sample.tokens=0"]
+            overrides += ["model.dropout=0.1"]
             config = load_config(TINY_CONFIG, overrides)
             dp = validate_layout(config, world_size_from_env())
-            train(config, env, dp, resume_from(config))
+            history = train(config, env, dp, resume_from(config))
+            ran.append([row["step"] for row in history])
             metrics = Path(config.run_dir) / "metrics.jsonl"
             losses[name] = [json.loads(line)["loss"] for line in metrics.open()]
-        return losses
+        return losses | {"ran": ran}
     finally:
         shutdown(env)
 
@@ -71,6 +76,8 @@ def test_stopped_and_resumed_run_has_the_same_losses(
     world: int, extra: list[str], small_corpus: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
     losses = run_processes(_stop_and_resume, world, small_corpus, cache_dir, tmp_path, extra)[0]
+    steps = list(range(1, 21))
+    assert losses["ran"] == [steps, steps[:10], steps[10:]]  # the rerun began at step 11
     assert len(losses["straight"]) == len(losses["resumed"]) == 20
     assert losses["resumed"] == losses["straight"]  # exactly: fp32 on CPU is deterministic
     checkpoints = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())

@@ -84,8 +84,8 @@ def test_prompt_completion_loss_is_layout_free_and_matches_transformers(
     )[0]
     reference = [m["loss"] for m in single]
     assert reference[-1] < reference[0] - 0.3  # it learns, so the comparison means something
-    for name, metrics in parallel.items():
-        assert [m["loss"] for m in metrics] == pytest.approx(reference, rel=1e-5), name
+    for name in runs:
+        assert [m["loss"] for m in parallel[name]] == pytest.approx(reference, rel=1e-5), name
 
     # Step 1's loss from transformers on the same global batch, prompts and padding ignored.
     tokenizer = load_tokenizer_folder(llama)
@@ -113,13 +113,18 @@ def _hf_loss(model: LlamaForCausalLM, inputs: torch.Tensor, targets: torch.Tenso
 def test_text_finetuning_resumes_exactly(
     llama: Path, small_corpus: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
-    """Packed text at dp=2, stage 2: stopped after step 3 and resumed, the losses equal a
-    straight run's exactly; the weights of the resumed run come from its checkpoint."""
+    """Packed text at dp=2, stage 2, dropout 0.1: stopped after step 3 and resumed at step
+    4 (not from the start: the rerun's own steps are 4-6), the losses equal a straight
+    run's exactly, so the weights, the optimizer, the data position and the random state
+    all came from the checkpoint."""
     text = ["parallel.zero_stage=2", "train.global_batch_size=4", "data.val_fraction=0.05"]
+    text += ["model.dropout=0.1"]
     straight = _overrides(llama, small_corpus, cache_dir, tmp_path / "straight") + text
     stopped = _overrides(llama, small_corpus, cache_dir, tmp_path / "stopped") + text
     runs = {"straight": straight, "first": [*stopped, "train.stop_at=3"], "rest": stopped}
     results = run_processes(finetune_cases.finetune_losses, 2, runs)[0]
+    ran = {"straight": [1, 2, 3, 4, 5, 6], "first": [1, 2, 3], "rest": [4, 5, 6]}
+    assert results["ran"] == ran
     losses = [m["loss"] for m in results["straight"]]
     assert [m["loss"] for m in results["rest"]] == losses  # metrics.jsonl: steps 1-3, 4-6
     vals = [m["val_loss"] for m in results["straight"] if "val_loss" in m]

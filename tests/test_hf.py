@@ -63,8 +63,9 @@ def test_import_matches_transformers(checkpoints: dict, family: str) -> None:
 
 
 def test_import_at_tp2_matches_transformers(checkpoints: dict) -> None:
-    """tp=2 (vocabulary 1001 padded locally), with and without sequence parallelism, and
-    built on the meta device then materialised by a ZeRO-3 Engine."""
+    """tp=2 (vocabulary 1001 padded locally), with and without sequence parallelism (the
+    gradient norm of a backward, with full recompute under SP, equal to transformers'),
+    and built on the meta device then materialised by a ZeRO-3 Engine."""
     folders = {family: str(folder) for family, (folder, _) in checkpoints.items()}
     ranks = run_processes(hf_cases.tp2_imports, 2, folders)
     for results in ranks:
@@ -74,6 +75,7 @@ def test_import_at_tp2_matches_transformers(checkpoints: dict) -> None:
                 what = f"{family} tp=2 sp={sp}"
                 assert_relative(got["logits"], reference["logits"], 1e-5, what)
                 assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5), what
+                assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), what
             assert results[f"{family}/zero3-loss"] == pytest.approx(reference["loss"], rel=1e-5)
             assert results[f"{family}/zero3-weights-equal"], family
 

@@ -1,0 +1,267 @@
+"""The mutation check: does the suite fail when the code is wrong?
+
+    python tests/mutations.py                 # every mutation (about 10 min on 2 cores)
+    python tests/mutations.py --list          # names, files and the tests that should fail
+    python tests/mutations.py --only NAME ... # some of them
+
+The tree (git's tracked and untracked, not ignored, files) is copied to a temporary
+folder; the tests that should catch the mutations first run there unmutated (they must
+pass, else a "caught" would mean nothing), then each mutation, a small textual patch named
+by what it breaks, is applied alone and its tests run with `pytest -x`. A mutation is
+caught when pytest reports a failing test (exit 1); an error of the harness (the patch no
+longer applies, nothing collected) is reported as such, never as caught. The copy comes
+first on PYTHONPATH, so the mutated code is what the tests and their subprocesses import,
+not the editable install. Exits 1 unless every mutation was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str  # what it breaks
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids, any of which should fail
+
+
+MUTATIONS = [
+    Mutation(
+        "skip the DP all-reduce of the gradient norm",
+        "hybrid/engine.py",
+        "            self.dp.all_reduce(squares)\n",
+        "            pass\n",
+        ("tests/test_clipping.py::test_norm_and_clipped_weights_match_torch_at_every_layout",),
+    ),
+    Mutation(
+        "count replicated parameters tp times in the norm",
+        "hybrid/engine.py",
+        "        return float((split_part[0] + squares[1]).sqrt())",
+        "        return float((split_part[0] + squares[1] * self.tp.size).sqrt())",
+        ("tests/test_hf.py::test_import_at_tp2_matches_transformers",),
+    ),
+    Mutation(
+        "drop the 1/dp scaling of the loss",
+        "hybrid/engine.py",
+        "scale = self.loss_scale / (self.config.micro_batches * self.dp.size)",
+        "scale = self.loss_scale / self.config.micro_batches",
+        ("tests/test_data_parallel.py",),
+    ),
+    Mutation(
+        "make resume find no checkpoint",
+        "launch/checkpointing.py",
+        "        return _newest_loadable(checkpoint_root(config))",
+        "        return None",
+        ("tests/test_checkpoint.py::test_stopped_and_resumed_run_has_the_same_losses",),
+    ),
+    Mutation(
+        "restore the wrong rank's RNG state",
+        "hybrid/checkpoint_files.py",
+        '    file = path / "rng" / f"rank{rank}.pt"',
+        '    file = path / "rng" / f"rank{rank ^ 1}.pt"',
+        ("tests/test_checkpoint.py::test_stopped_and_resumed_run_has_the_same_losses",),
+    ),
+    Mutation(
+        "leave padded vocabulary unmasked",
+        "hybrid/tensor_parallel/cross_entropy.py",
+        "        if vocab_start + local_vocab > n_real:",
+        "        if False:",
+        ("tests/test_hf.py::test_import_at_tp2_matches_transformers",),
+    ),
+    Mutation(
+        "reduce sequence-parallel LayerNorm gradients twice",
+        "hybrid/engine.py",
+        "                    self.tp.group.all_reduce(flat[segment.start : segment.end])\n",
+        "                    self.tp.group.all_reduce(flat[segment.start : segment.end])\n"
+        "                    self.tp.group.all_reduce(flat[segment.start : segment.end])\n",
+        ("tests/test_hybrid_2d.py",),
+    ),
+    Mutation(
+        "skip the stage-3 backward regather",
+        "hybrid/zero/gather.py",
+        "output.register_hook(lambda grad: (before(index, backward_next), grad)[1])",
+        "None",
+        ("tests/test_zero.py::test_stage_matches_adamw",),
+    ),
+    Mutation(
+        "apply the update on a skipped NaN step",
+        "hybrid/engine.py",
+        "            self.optimizer.zero_grad(set_to_none=True)\n"
+        "            return StepStats(norm, True, self.loss_scale)\n",
+        "            pass\n",
+        ("tests/test_nonfinite_skip.py",),
+    ),
+    Mutation(
+        "write a checkpoint shard without its checksum",
+        "hybrid/checkpoint_files.py",
+        'files = sorted(tmp.glob(f"__{rank}_*.distcp")) + sorted(tmp.glob(f"rng/rank{rank}.pt"))',
+        'files = sorted(tmp.glob(f"rng/rank{rank}.pt"))',
+        ("tests/test_checkpoint.py::test_an_altered_shard_is_named_by_its_checksum",),
+    ),
+    # Issue 15: the checks this issue added.
+    Mutation(
+        "clip the gradients never",
+        "hybrid/engine.py",
+        "            torch._foreach_mul_(grads, self.config.grad_clip / (norm + 1e-6))",
+        "            pass",
+        ("tests/test_clipping.py::test_norm_and_clipped_weights_match_torch_at_every_layout",),
+    ),
+    Mutation(
+        "bf16 weights with no fp32 master (the update rounded to bf16)",
+        "hybrid/engine.py",
+        "        self.optimizer.step()\n",
+        "        self.optimizer.step()\n"
+        "        for state in self.states:\n"
+        "            state.master.copy_(state.master.to(self.dtype))\n",
+        ("tests/test_bf16_masters.py::test_fp32_masters_follow_the_reference_at_every_layout",),
+    ),
+    Mutation(
+        "save the fp16 loss scale's good steps not at all",
+        "launch/checkpointing.py",
+        '        "good_steps": engine.good_steps,\n',
+        "",
+        ("tests/test_fp16_loss_scale.py",),
+    ),
+    Mutation(
+        "keep every checkpoint (no pruning)",
+        "hybrid/checkpoint_files.py",
+        "        for old in complete[: max(0, len(complete) - keep)]:",
+        "        for old in complete[:0]:",
+        ("tests/test_checkpoint_keep.py",),
+    ),
+    # Issue 14: ZeRO-3 memory, seeded initialisation, streamed full state.
+    Mutation(
+        "ZeRO-3 frees a bucket without releasing its storage",
+        "hybrid/zero/gather.py",
+        "        self._flat[index].untyped_storage().resize_(0)\n        self._held",
+        "        self._held",
+        ("tests/test_stage3_memory.py",),
+    ),
+    Mutation(
+        "a rank draws every parameter in full at initialisation",
+        "hybrid/zero/state.py",
+        '    make = getattr(model, "initial_values", None)',
+        "    make = None",
+        ("tests/test_meta_construction.py",),
+    ),
+    Mutation(
+        "the full-state writer keeps every gathered bucket",
+        "hybrid/full_state.py",
+        "                gatherer.free(index)",
+        "                pass",
+        ("tests/test_full_state.py",),
+    ),
+    Mutation(
+        "the planner forgets stage 3's gathered buckets",
+        "hybrid/memory/peak.py",
+        "        chosen = {k for k in buckets if 0 <= k < len(self.numels)}",
+        "        chosen = set()",
+        ("tests/test_plan_instrument.py",),
+    ),
+    Mutation(
+        "the memory check never knows the device's size",
+        "launch/memory_check.py",
+        "    known = memory_limit(config, device)",
+        "    known = None",
+        ("tests/test_memory_check.py",),
+    ),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The files git would commit (tracked, and untracked but not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+def run_pytest(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    """pytest's exit code in `tree`, the seconds it took and its first failure line."""
+    env = os.environ | {"PYTHONPATH": str(tree)}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(
+            command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return -1, time.perf_counter() - start, f"harness timeout after {timeout:.0f} s"
+    lines = done.stdout.splitlines()
+    failure = next((line for line in lines if line.startswith(("FAILED", "ERROR"))), "")
+    return done.returncode, time.perf_counter() - start, failure or (lines[-1] if lines else "")
+
+
+def apply(tree: Path, mutation: Mutation) -> str:
+    """Patch the copy; returns the original text to put back."""
+    file = tree / mutation.path
+    text = file.read_text()
+    if text.count(mutation.old) != 1:
+        raise ValueError(f"{mutation.name}: the patch no longer applies to {mutation.path}")
+    file.write_text(text.replace(mutation.old, mutation.new))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="names (or parts of them)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per pytest run (s)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or any(part in m.name for part in args.only)]
+    if args.list or not chosen:
+        for m in chosen or MUTATIONS:
+            print(f"{m.name}\n    {m.path}\n    {' '.join(m.tests)}")
+        return 0 if chosen else 2
+    with tempfile.TemporaryDirectory(prefix="mutations-") as folder:
+        tree = Path(folder)
+        copy_tree(tree)
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        code, seconds, line = run_pytest(tree, tests, args.timeout)
+        print(f"unmutated: exit {code} in {seconds:.0f} s", flush=True)
+        if code != 0:
+            print(f"the tests fail without a mutation ({line}): fix that first")
+            return 1
+        rows = []
+        for m in chosen:
+            try:
+                original = apply(tree, m)
+            except ValueError as error:
+                rows.append((m, "harness error", 0.0, str(error)))
+                continue
+            try:
+                code, seconds, line = run_pytest(tree, m.tests, args.timeout)
+            finally:
+                (tree / m.path).write_text(original)
+            verdict = {0: "NOT CAUGHT", 1: "caught"}.get(code, f"harness error (exit {code})")
+            rows.append((m, verdict, seconds, line))
+            print(f"{verdict}: {m.name} ({seconds:.0f} s) {line}", flush=True)
+    print("\n| mutation | file | test that caught it | result | seconds |")
+    print("|---|---|---|---|---:|")
+    for m, verdict, seconds, line in rows:
+        caught_by = line.removeprefix("FAILED ").split(" - ")[0] if verdict == "caught" else ""
+        tests = caught_by or " ".join(m.tests)
+        print(f"| {m.name} | `{m.path}` | `{tests}` | {verdict} | {seconds:.0f} |")
+    return 0 if all(verdict == "caught" for _, verdict, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
