@@ -24,7 +24,7 @@ from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from models.gpt import GPTConfig, pad_vocab_size
 
 from .config import Config, ConfigError, validate, validate_layout
-from .plan import Model, search
+from .plan import Model, layout_options, search
 
 # On CUDA the device also holds what the planner's terms do not see (CUDA context, NCCL
 # buffers, fragmentation): launch.plan's default --reserve, added for the check only.
@@ -48,21 +48,6 @@ def run_model(config: Config, n_tokens: int) -> GPTConfig:
     if m.vocab_size is not None:
         return m
     return dataclasses.replace(m, vocab_size=pad_vocab_size(n_tokens))
-
-
-def layout_options(config: Config) -> dict[str, Any]:
-    """The run's layout in the planner's terms (launch.plan's defaults from a config)."""
-    p, t = config.parallel, config.train
-    return {
-        "tp": p.tp,
-        "zero_stage": p.zero_stage,
-        "sequence_parallel": p.sequence_parallel,
-        "recompute": p.recompute,
-        "recompute_every": p.recompute_every,
-        "micro_batch": t.micro_batch_size,
-        "global_batch": t.global_batch_size,
-        "precision": t.precision,
-    }
 
 
 def _plan_args(

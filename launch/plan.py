@@ -174,7 +174,7 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         defaults |= {"recompute_every": 1, "micro_batch": 1, "global_batch": None}
         return model, defaults | {"precision": "bf16"}
     config = read_config(args.config, args.overrides)
-    m, p, t = config.model, config.parallel, config.train
+    m, t = config.model, config.train
     if args.vocab is not None:
         m = dataclasses.replace(m, vocab_size=args.vocab)
     elif m.vocab_size is None:
@@ -188,7 +188,13 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
     if window is not None and window > m.seq_len:  # a longer context: a longer position table
         m = dataclasses.replace(m, seq_len=window)
     name = Path(args.config).name.removesuffix(".yaml")  # stem would cut "gpt2-1.5b"
-    defaults = {
+    return Model(name, m, window), layout_options(config)
+
+
+def layout_options(config: Config) -> dict[str, Any]:
+    """The run's layout in the planner's terms (launch.plan's defaults from a config)."""
+    p, t = config.parallel, config.train
+    return {
         "tp": p.tp,
         "zero_stage": p.zero_stage,
         "sequence_parallel": p.sequence_parallel,
@@ -198,7 +204,6 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         "global_batch": t.global_batch_size,
         "precision": t.precision,
     }
-    return Model(name, m, window), defaults
 
 
 def read_config(name: str, overrides: list[str]) -> Config:

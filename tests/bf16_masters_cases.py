@@ -10,8 +10,6 @@ alone would round each of those updates away and stay put; fp32 masters accumula
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,20 +55,6 @@ def global_batches() -> list[torch.Tensor]:
     ]
 
 
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the single-process reference on one thread, as each rank runs (DESIGN.md 5):
-    the pytest process has torch's default of one thread a core, which on 2 busy cores
-    made a 0.2 s reference take 7 s (OpenMP threads waiting on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@one_thread()
 def reference(masters: bool = True) -> dict[str, Any]:
     """One process, written here from torch alone: forward and backward on a bf16 copy of
     fp32 master weights, each sequence's bf16 gradient taken to fp32 and averaged there,

@@ -15,8 +15,6 @@ rounding noise stays at 1e-7. The test checks the first half of that on the refe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,20 +64,6 @@ def global_batches() -> list[torch.Tensor]:
     ]
 
 
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the single-process reference on one thread, as each rank runs (DESIGN.md 5):
-    the pytest process has torch's default of one thread a core, which on 2 busy cores
-    made a 0.2 s reference take 7 s (OpenMP threads waiting on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@one_thread()
 def reference(clip: bool = True) -> dict[str, list[Any]]:
     """One process, tp 1, dp 1: torch.optim.AdamW after torch's clip_grad_norm_ (or, with
     `clip=False`, with no clipping, to show the clip changes the weights). Returns, per
