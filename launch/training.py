@@ -121,6 +121,18 @@ def build_model(
     )
 
 
+def engine_config(config: Config, dp: int) -> EngineConfig:
+    """The Engine's settings for a run of this config at data-parallel degree `dp`."""
+    t = config.train
+    return EngineConfig(
+        zero_stage=config.parallel.zero_stage,
+        precision=t.precision,
+        micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
+        grad_clip=t.grad_clip,
+        weight_decay=t.weight_decay,
+    )
+
+
 def train(
     config: Config, env: DistributedEnv, dp: int, resume: Path | None = None
 ) -> list[dict[str, Any]]:
@@ -144,18 +156,7 @@ def train(
     model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
     planned = planned_peak_bytes(config, model.config, env.world_size, env.device.type)
     engine = Engine(
-        model,
-        topology,
-        tp,
-        EngineConfig(
-            zero_stage=p.zero_stage,
-            precision=t.precision,
-            micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
-            grad_clip=t.grad_clip,
-            weight_decay=t.weight_decay,
-        ),
-        units=list(model.blocks),
-        device=env.device,
+        model, topology, tp, engine_config(config, dp), units=list(model.blocks), device=env.device
     )
     model.forget_initial_weights()  # the Engine holds this rank's shards now
     start_step, consumed_samples = 0, 0

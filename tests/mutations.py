@@ -178,6 +178,43 @@ MUTATIONS = [
         "    known = None",
         ("tests/test_memory_check.py",),
     ),
+    Mutation(
+        "file the fp32 master under activations, not optimizer states",
+        "hybrid/engine_memory.py",
+        '            yield "optimizer", state.master\n',
+        "            pass\n",
+        ("tests/test_rehearse.py::test_peak_and_categories_within_10_percent_of_the_planner",),
+    ),
+    Mutation(
+        "a rehearsal plays rank 0 whatever --rank says",
+        "launch/rehearsal.py",
+        "    with fake_world(request.world, request.rank):",
+        "    with fake_world(request.world, 0):",
+        ("tests/test_rehearse.py::test_model_states_equal_a_real_job",),
+    ),
+    Mutation(
+        "count an all-gather by its input, not its output",
+        "hybrid/dispatch_counters.py",
+        '    "_allgather_base_": ("all_gather", 0),  # the output',
+        '    "_allgather_base_": ("all_gather", 1),',
+        (
+            "tests/test_rehearse.py::test_collectives_counted_at_the_dispatcher_equal_ours_and_the_plan",
+        ),
+    ),
+    Mutation(
+        "no refusal of a layout above the memory",
+        "launch/rehearsal.py",
+        "    if need > limit:",
+        "    if False:",
+        ("tests/test_rehearse.py::test_refusals_come_before_anything_is_allocated",),
+    ),
+    Mutation(
+        "the planner forgets the sum of the tied embedding's gradients",
+        "hybrid/memory/peak.py",
+        "        tables = self.table + 2 * held\n",
+        "        tables = self.table + held\n",
+        ("tests/test_rehearse.py::test_tied_embedding_gradients_at_the_embedding_moment",),
+    ),
 ]
 
 

@@ -35,8 +35,9 @@ carries the gradients of all before it):
   bucket, unit l and unit l - 1 (prefetched) gathered;
 - backward, bucket k reduced: its shard output joins while the previous reduction is
   waited for;
-- backward, embedding: the embedding's weight gradient next to the output layer's;
-  then the root bucket's reduction with the first unit's still in flight;
+- backward, embedding: the embedding's weight gradient next to the output layer's and,
+  tied, their sum (autograd adds them out of place); then the root bucket's reduction
+  with the first unit's still in flight;
 - optimizer step: every gradient shard (stage 0: the full buffer) cast to fp32 in bf16
   and fp16, all alive until the step returns; fused AdamW, the global norm and stages
   1-2's all-gather work in place.
@@ -86,7 +87,9 @@ class Moment:
     parameter storage (stages 0-2: the flat buffers, a model state; stage 3: the gathered
     buckets, a buffer), what MemTracker files under "Parameter"; `unseen` are buffers a
     collective allocated inside itself (gloo's copies of reduce-scatter inputs not being
-    waited for), which no tracker at torch's dispatch level (MemTracker) sees then."""
+    waited for), which no tracker at torch's dispatch level (MemTracker) sees then;
+    `autograd` are buffers autograd holds rather than the engine (the output layer's and
+    the embedding's weight gradients before the engine's hook takes them)."""
 
     name: str
     model_states: float
@@ -94,6 +97,7 @@ class Moment:
     buffers: float
     parameters: float = 0.0
     unseen: float = 0.0
+    autograd: float = 0.0
 
     @property
     def total(self) -> float:
@@ -229,11 +233,12 @@ class _Step:
         buffers: float,
         gathered: tuple[int, ...] = (),
         unseen: float = 0.0,
+        autograd: float = 0.0,
     ) -> Moment:
         """A moment; at stage 3 the buckets in `gathered` are held too (buffers)."""
         held = self._gathered(gathered)
         parameters = held if self.layout.stage == 3 else float(self.e * sum(self.numels))
-        return Moment(name, states, activations, buffers + held, parameters, unseen)
+        return Moment(name, states, activations, buffers + held, parameters, unseen, autograd)
 
     def _gathered(self, buckets: tuple[int, ...]) -> float:
         """Stage 3: bytes of the gathered buckets among `buckets` (others skipped)."""
@@ -330,6 +335,7 @@ class _Step:
                 everything + self.logit_grad + self.residual + 2 * self.gathered_input,
                 output,
                 (0, last),
+                autograd=self.table,
             ),
         ]
         held = self.table if self.tied else 0.0
@@ -357,7 +363,7 @@ class _Step:
             gathered = (0, k, previous)
             staged = self._gather_copy(previous)
             moment = self._moment(
-                name, states, activations, buffers + staged, gathered, copy + staged
+                name, states, activations, buffers + staged, gathered, copy + staged, held
             )
             moments.append(moment)
             if stage >= 1 and (layer == 0 or self.bucket[layer - 1] != k):
@@ -368,16 +374,23 @@ class _Step:
                 name = f"backward, bucket {k} reduced"
                 activations = below + self.residual
                 unseen = self._copy(k)  # the one waited for is seen as it is waited for
-                moment = self._moment(name, states, activations, buffers, (0, previous), unseen)
+                moment = self._moment(
+                    name, states, activations, buffers, (0, previous), unseen, held
+                )
                 moments.append(moment)
                 if pending and new_shards:
                     states += self.e * self.shards[k + 1]
                 pending, copy = issued, self._copy(k)
-        # The embedding's weight gradient (added to the output layer's when tied), then
-        # bucket 0 issued while bucket 1's reduction is waited for.
-        buffers = self._open(0) + pending + held + self.table
+        # The embedding's weight gradient; when tied, next to the output layer's and their
+        # sum (autograd adds the two out of place: three tables at once, measured by the
+        # rehearsal of a 17B rank, launch.rehearse); then bucket 0 issued while bucket 1's
+        # reduction is waited for.
+        tables = self.table + 2 * held
+        buffers = self._open(0) + pending + tables
         name = "backward, embedding"
-        moments.append(self._moment(name, states, self.embedding, buffers, (0,), copy))
+        moments.append(
+            self._moment(name, states, self.embedding, buffers, (0,), copy, autograd=tables)
+        )
         if stage >= 1:
             buffers = self._in_flight(0) + pending
             name, unseen = "backward, root bucket reduced", self._copy(0)
