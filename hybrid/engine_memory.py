@@ -120,14 +120,18 @@ class EngineMemoryTracker(MemTracker):
         super()._update_peak_stats(peak_state)
 
     def categories(self, kind: str = "peak") -> dict[str, int]:
-        """Bytes by category and "total" at the peak (or now: kind="current") on this
-        rank's one device."""
+        """Bytes by category and "total" at the peak (or now: kind="current") on the
+        engine's device."""
         if kind == "current":
             self.label()
         snapshots = self.get_tracker_snapshot(kind)
-        if not snapshots:
+        device = self.engine.device if self.engine is not None else None
+        # On a GPU the host holds a little too (token ids, RNG states): the engine's device.
+        snap = snapshots.get(device) if device is not None else None
+        if snap is None and len(snapshots) == 1:
+            (snap,) = snapshots.values()
+        if snap is None:
             return dict.fromkeys((*CATEGORIES, "total"), 0)
-        (snap,) = snapshots.values()
         by_type = {getattr(key, "value", key): int(value) for key, value in snap.items()}
         out = {name: by_type[ref.value] for name, ref in _AS.items() if name != "activations"}
         out["activations"] = sum(

@@ -236,6 +236,8 @@ def measure(
             engine.backward(engine(inputs, targets))
         after_backward = tracker.categories("current")
         engine.step(t.lr)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         first_s = time.perf_counter() - tick
     peak = tracker.categories("peak")
     counter = {f"{kind} {group}": n for (kind, group), n in topology.counter.bytes.items()}
