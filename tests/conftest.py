@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import fcntl
 import gzip
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -52,29 +49,3 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with gzip.open(BUNDLED_CORPUS, "rt") as f:
         path.write_text(f.read(200_000))
     return path
-
-
-@pytest.fixture(scope="session")
-def once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[], Any]], Any]:
-    """`once(name, produce)`: produce()'s result, computed once per test session.
-
-    pytest-xdist spreads a module's tests over its workers, and each worker then runs the
-    module's fixtures itself: a 4-rank measurement job ran twice, side by side on the same
-    2 cores. Under xdist the first worker to ask computes it under a file lock in the
-    session's shared temporary folder and saves it there; the others wait for it and load
-    it. Without xdist it is a plain call."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return lambda name, produce: produce()
-    shared = tmp_path_factory.getbasetemp().parent  # one folder per session, all workers
-
-    def compute(name: str, produce: Callable[[], Any]) -> Any:
-        path = shared / f"once-{name}.pt"
-        with open(shared / f"once-{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if path.exists():
-                return torch.load(path, weights_only=False)
-            result = produce()
-            torch.save(result, path)
-            return result
-
-    return compute

@@ -10,7 +10,6 @@ reference's do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import bf16_masters_cases as cases
@@ -55,8 +54,8 @@ def reference() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ranks(once: Callable) -> list[dict[str, Any]]:
-    return once("bf16_masters", lambda: run_processes(cases.all_layouts, 4))
+def ranks() -> list[dict[str, Any]]:
+    return run_processes(cases.all_layouts, 4)
 
 
 def test_the_tolerance_rejects_bf16_weights_without_masters(reference: dict[str, Any]) -> None:

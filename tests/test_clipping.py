@@ -10,7 +10,6 @@ step would miss by far more than the tolerance (checked on the reference itself)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import clipping_cases as cases
@@ -30,9 +29,9 @@ def reference() -> dict[str, list[Any]]:
 
 
 @pytest.fixture(scope="module")
-def ranks(once: Callable) -> list[list[dict[str, Any]]]:
+def ranks() -> list[list[dict[str, Any]]]:
     """Every rank's results, one per layout (rank 0's carry the weights)."""
-    return once("clipping", lambda: run_processes(cases.all_layouts, 4))
+    return run_processes(cases.all_layouts, 4)
 
 
 def share_beyond(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], bound: float) -> float:

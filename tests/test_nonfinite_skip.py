@@ -13,7 +13,6 @@ the same batches without step 2's (tests/nonfinite_cases.py). The launcher's rea
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import nonfinite_cases as cases
@@ -23,8 +22,8 @@ from hybrid.testing import run_processes
 
 
 @pytest.fixture(scope="module")
-def ranks(once: Callable) -> list[list[dict[str, Any]]]:
-    return once("nonfinite_skip", lambda: run_processes(cases.all_cases, 2))
+def ranks() -> list[list[dict[str, Any]]]:
+    return run_processes(cases.all_cases, 2)
 
 
 def _name(result: dict[str, Any]) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from collections.abc import Callable
 from contextlib import redirect_stdout
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -119,9 +118,9 @@ def test_zero_paper_figure_1_and_table_1() -> None:
 
 
 @pytest.fixture(scope="module")
-def measured(once: Callable) -> dict:
+def measured() -> dict:
     """Rank 0's measurements of every layout (one 4-rank spawn serves dp 1, 2 and 4)."""
-    return once("plan", lambda: run_processes(measure_all, 4, timeout_s=300)[0])
+    return run_processes(measure_all, 4, timeout_s=300)[0]
 
 
 def predict(step: dict) -> tuple[dict, int]:

@@ -27,8 +27,6 @@ What is compared:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 from instrument_cases import GRID, MIXED, MODEL, measure_all, model_config
 
@@ -51,10 +49,10 @@ TOLERANCE = 0.10  # the acceptance: the planner within 10% of the instrument
 
 
 @pytest.fixture(scope="module")
-def measured(once: Callable) -> list[dict]:
+def measured() -> list[dict]:
     """Every case once (one 4-rank job: rank 0 reports tp=2 and its pair's tp=1 cases,
     rank 2 its pair's)."""
-    results = once("plan_instrument", lambda: run_processes(measure_all, 4, timeout_s=600))
+    results = run_processes(measure_all, 4, timeout_s=600)
     return results[0] + results[2]
 
 

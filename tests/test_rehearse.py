@@ -16,8 +16,6 @@ against the planner.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,22 +33,19 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def real(once: Callable) -> list[list[dict]]:
+def real() -> list[list[dict]]:
     """results[rank][stage index] of the real 4-process job."""
-    return once("rehearse_real", lambda: run_processes(real_job, WORLD, timeout_s=300))
+    return run_processes(real_job, WORLD, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
-def rehearsed(once: Callable) -> dict[tuple[int, int], dict]:
+def rehearsed() -> dict[tuple[int, int], dict]:
     """(rank, stage) -> the rehearsal's report, for ranks 0 and 3."""
-    return once(
-        "rehearsed",
-        lambda: {
-            (rank, stage): rehearse(Request(config(stage), "tiny", WORLD, rank, steps=1), CPU)
-            for rank in (0, WORLD - 1)
-            for stage in STAGES
-        },
-    )
+    return {
+        (rank, stage): rehearse(Request(config(stage), "tiny", WORLD, rank, steps=1), CPU)
+        for rank in (0, WORLD - 1)
+        for stage in STAGES
+    }
 
 
 def test_model_states_equal_a_real_job(real: list[list[dict]], rehearsed: dict) -> None:
