@@ -42,8 +42,7 @@ from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
-from models.gpt import GPT, GPTConfig, flops_per_token
-from models.gpt.accounting import recompute_flops_per_token, with_seq_len
+from models.gpt import GPT, GPTConfig
 
 from .cli import tokenizer_size
 from .config import Config, ConfigError, validate_layout
@@ -322,12 +321,10 @@ def compare(
         for name in (*CATEGORIES, "total")
     }
     # FLOPs this rank executes in one step, as the planner counts them (recomputation's
-    # extra forward included), and the rate the measured step achieved.
-    shape = with_seq_len(model_cfg, window)
-    per_token = flops_per_token(shape) + recompute_flops_per_token(
-        shape, layout.recompute, layout.recompute_every
-    )
-    step_flops = per_token * layout.sequences * window / layout.gpus
+    # extra forward included): its compute time at 1 FLOP/s. Then the rate measured.
+    step_flops = (planned(request, Hardware(peak_flops=1.0, efficiency=1.0)).time or {})[
+        "compute_s"
+    ]
     rate = step_flops / measured["step_s"]
     at_rate = planned(request, Hardware(peak_flops=rate, efficiency=1.0)).time or {}
     communication = {
