@@ -3,7 +3,7 @@
 What is stored does not depend on tp, dp or the ZeRO stage: for every parameter `name`,
 three tensors in the parameter's tp=1 shape, `model.<name>` (the fp32 master value),
 `exp_avg.<name>` and `exp_avg_sq.<name>` (Adam's moments). Each rank writes only the
-elements it owns, as chunks of those tensors (a DCP ShardedTensor):
+elements it owns, as chunks of those tensors (hybrid.checkpoint_chunks.ChunkedTensor):
 - its DP shard of each bucket (at stage 0, where every DP rank holds everything, the
   shard a dp-way split would give it), so DP ranks write disjoint elements;
 - TP-split parameters at this TP rank's offset along the split dimension, without the
@@ -18,12 +18,15 @@ masters.
 The step, data position, loss scale and config go in `trainer_state.json`; random states
 per rank in `rng/rank<N>.pt`; loading reads no pickle that could run code (`.metadata`
 through an allow-list unpickler, tensors through `torch.load(weights_only=True)`).
+Each shard file's SHA-256 is taken as it is written (hybrid.checkpoint_hashing). A
+checkpoint may lack Adam's moments (launch.convert --from-hf): it loads with fresh ones.
 """
 
 from __future__ import annotations
 
-import contextlib
+import sys
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+from torch.distributed.checkpoint.staging import AsyncStager
 
+from .checkpoint_chunks import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner
 from .checkpoint_files import (
+    CheckpointError,
     SafeReader,
     barrier,
     begin,
@@ -44,6 +48,7 @@ from .checkpoint_files import (
     record_checksums,
     save_rng,
 )
+from .checkpoint_hashing import HashingWriter
 from .engine import Engine
 from .tensor_parallel import ShardSpec, parameter_shards
 from .tensor_parallel.shards import full_shape
@@ -123,31 +128,38 @@ def _clip(
     return offsets, sizes
 
 
-def _state_dict(engine: Engine) -> dict[str, ShardedTensor]:
-    """The ShardedTensors over this rank's chunks, as views of the engine's fp32 tensors
-    (so a load writes straight into them). Every rank builds every key, in one order."""
+def _state_dict(
+    engine: Engine, flats: list[dict[str, torch.Tensor]] | None = None
+) -> dict[str, ChunkedTensor]:
+    """Every key's ChunkedTensor over this rank's chunks, as views of the engine's fp32
+    tensors (so a load writes straight into them), or of `flats` (per bucket, the same
+    tensors staged elsewhere: an asynchronous save). Every rank builds every key."""
     specs = parameter_shards(engine.module)
     shapes = {}
     for bucket in engine.buckets:
         for name, shape in zip(bucket.names, bucket.shapes, strict=True):
             shapes[name] = full_shape(torch.empty(shape, device="meta"), specs.get(name))
-    local: dict[str, list[Shard]] = {f"{t}.{n}": [] for n in shapes for t in TENSORS}
-    rank, device = dist.get_rank(), engine.device
-    for state, chunks in zip(engine.states, owned_chunks(engine), strict=True):
-        flats = {"model": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+    local: dict[str, list] = {f"{t}.{n}": [] for n in shapes for t in TENSORS}
+    flats = flats or engine_flats(engine)
+    for per_kind, chunks in zip(flats, owned_chunks(engine), strict=True):
         for chunk in chunks:
             n = torch.Size(chunk.local_sizes).numel()
-            for kind, flat in flats.items():
+            for kind, flat in per_kind.items():
                 view = _own_storage(flat, chunk.flat_start, n).view(chunk.local_sizes)
                 for dim, size in enumerate(chunk.sizes):
                     view = view.narrow(dim, 0, size)
-                placement = f"rank:{rank}/{device}"
-                meta = ShardMetadata(list(chunk.offsets), list(chunk.sizes), placement)
-                local[f"{kind}.{chunk.name}"].append(Shard(view, meta))
+                local[f"{kind}.{chunk.name}"].append((chunk.offsets, view))
     return {
-        key: init_from_local_shards(shards, list(shapes[key.split(".", 1)[1]]))
-        for key, shards in sorted(local.items())
+        key: ChunkedTensor(shapes[key.split(".", 1)[1]], pieces)
+        for key, pieces in sorted(local.items())
     }
+
+
+def engine_flats(engine: Engine) -> list[dict[str, torch.Tensor]]:
+    """Per bucket, the fp32 tensors a checkpoint holds (TENSORS order)."""
+    return [
+        {"model": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq} for s in engine.states
+    ]
 
 
 def _own_storage(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
@@ -170,14 +182,30 @@ def save_checkpoint(
     rng: dict[str, torch.Tensor],
     keep: int,
 ) -> Path:
-    """Write `<root>/step_<step>` crash-safely (hybrid.checkpoint_files); all ranks call."""
-    with _process_group():
-        tmp = begin(root, step)
-        save_engine(engine, tmp)
-        save_rng(tmp, rng)
-        barrier()  # rank 0 hashes the index, which DCP writes after every rank's shards
-        record_checksums(tmp)
-        return commit(root, tmp, step, trainer_state, keep)
+    """Write `<root>/step_<step>` crash-safely (hybrid.checkpoint_files); all ranks call.
+    `hybrid.checkpoint_writer.CheckpointWriter` also writes it in the background."""
+    tmp = begin(root, step)
+    digests = save_engine(engine, tmp)
+    return finish_save(root, tmp, step, trainer_state, rng, keep, digests)
+
+
+def finish_save(
+    root: Path,
+    tmp: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    rng: dict[str, torch.Tensor],
+    keep: int,
+    digests: dict[str, str],
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """After this rank's shards are in `tmp` (`digests`: their SHA-256): its random states
+    and checksums, then the rename and `latest` once every rank is there (collectives on
+    `group` only)."""
+    save_rng(tmp, rng)
+    barrier(group)  # rank 0 hashes the index, which DCP writes after every rank's shards
+    record_checksums(tmp, digests)
+    return commit(root, tmp, step, trainer_state, keep, group=group)
 
 
 def load_checkpoint(
@@ -186,34 +214,83 @@ def load_checkpoint(
     """Fill `engine` from the checkpoint at `path` (any layout); returns its trainer state
     and this rank's saved random states (None if the checkpoint has none for this rank)."""
     state = check_checkpoint(path, verify_checksums=False)  # sizes; hashes: before start-up
-    with _process_group():
-        load_engine(engine, path)
-        return state, load_rng(path)
+    load_engine(engine, path)
+    return state, load_rng(path)
 
 
-@contextlib.contextmanager
-def _process_group() -> Iterator[None]:
-    """DCP's sharded tensors need a process group; a single process gets a group of one
-    for the duration."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def save_engine(
+    engine: Engine,
+    directory: Path,
+    staged: list[dict[str, torch.Tensor]] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, str] | Future:
+    """Write this rank's part of the model and optimizer state (every rank calls it);
+    returns the SHA-256 of each file written, hashed on the way (hybrid.checkpoint_hashing).
+    With `staged` (a copy of `engine_flats`) it writes in the background through DCP's
+    async_save and returns a future of those digests, done once the shards and, on rank 0,
+    the index are written."""
+    writer = HashingWriter(directory)
+    alone = not dist.is_initialized()
+    if staged is None:
+        state = _state_dict(engine)
+        dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), no_dist=alone)
+        return writer.digests
+    upload = dcp.async_save(
+        _state_dict(engine, staged),
+        storage_writer=writer,
+        planner=ChunkSavePlanner(),
+        process_group=group,
+        async_stager=_AlreadyStaged(),
+        no_dist=alone,
+    )
+    digests: Future = Future()
 
+    def written(done: Future) -> None:
+        error = done.exception()
+        digests.set_exception(error) if error else digests.set_result(writer.digests)
 
-def save_engine(engine: Engine, directory: Path) -> None:
-    """Write this rank's part of the model and optimizer state (every rank calls it)."""
-    dcp.save(_state_dict(engine), storage_writer=dcp.FileSystemWriter(str(directory)))
+    upload.add_done_callback(written)
+    return digests
 
 
 def load_engine(engine: Engine, directory: Path) -> None:
-    """Fill the engine from a checkpoint saved at any layout (every rank calls it)."""
-    dcp.load(_state_dict(engine), storage_reader=SafeReader(str(directory)))
+    """Fill the engine from a checkpoint saved at any layout (every rank calls it). A
+    checkpoint without Adam's moments (launch.convert --from-hf) leaves them zero: a fresh
+    start of the optimizer, said in a warning."""
+    saved = SafeReader(str(directory)).read_metadata().state_dict_metadata
+    state = _state_dict(engine)
+    missing = [key for key in state if key not in saved]
+    weights = [key for key in missing if key.startswith("model.")]
+    if weights:
+        raise CheckpointError(
+            f"{directory} holds no tensor {weights[0]!r}: it is not a checkpoint of this model"
+        )
+    if missing:
+        print(
+            f"warning: {directory} holds no optimizer states ({missing[0]}, ...): Adam starts "
+            "from fresh moments",
+            file=sys.stderr,
+            flush=True,
+        )
+        for flats in engine_flats(engine):
+            flats["exp_avg"].zero_()
+            flats["exp_avg_sq"].zero_()
+    dcp.load(
+        {key: value for key, value in state.items() if key in saved},
+        storage_reader=SafeReader(str(directory)),
+        planner=ChunkLoadPlanner(),
+        no_dist=not dist.is_initialized(),
+    )
     _after_load(engine)
+
+
+class _AlreadyStaged(AsyncStager):
+    """The state handed to async_save is already a host copy (CheckpointWriter stages it)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ checkpoint and its pointer intact; resume ignores `.tmp-*` folders.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import pickle
@@ -96,14 +97,18 @@ def find_latest(root: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def check_checkpoint(path: Path, verify_checksums: bool = True) -> dict[str, Any]:
+def check_checkpoint(
+    path: Path, verify_checksums: bool = True, check_files: bool = True
+) -> dict[str, Any]:
     """The trainer state of a complete checkpoint, or a CheckpointError naming the fix.
 
-    Also checks, before any process group starts, that every shard file the index refers
-    to is there and holds at least the bytes the index reads from it: a missing or
-    truncated shard is named here instead of failing inside a collective load; with
+    With `check_files`, also checks (stat only, before any process group starts) that
+    every shard file the index refers to is there and holds at least the bytes the index
+    reads from it, and that every file a checksum record lists is there: a missing or
+    truncated file is named here instead of failing inside a collective load. With
     `verify_checksums`, also that every file hashes to what its writer recorded, so an
-    altered shard is named too (this reads every file: one process per node is enough)."""
+    altered shard is named too; this process reads every file (`check_checksums` with
+    `among_ranks` divides that among the ranks of a job)."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
@@ -115,41 +120,120 @@ def check_checkpoint(path: Path, verify_checksums: bool = True) -> dict[str, Any
         state = json.loads((path / STATE_FILE).read_text())
     except ValueError as error:
         raise CheckpointError(f"{path / STATE_FILE} is corrupt: {error}") from error
-    check_shard_files(path)
+    if check_files:
+        check_shard_files(path)
+        check_listed_files(path)
     if verify_checksums:
         check_checksums(path)
     return state
 
 
-def record_checksums(tmp: Path) -> None:
+def record_checksums(tmp: Path, known: dict[str, str] | None = None) -> None:
     """Each rank records the SHA-256 of the files it wrote: its DCP shards and random
-    states, and on rank 0 the index (every rank calls, after writing)."""
+    states, and on rank 0 the index (every rank calls, after writing). `known`: file name
+    -> digest of files already hashed while they were written (not read back)."""
+    known = known or {}
     rank = dist.get_rank() if dist.is_initialized() else 0
     files = sorted(tmp.glob(f"__{rank}_*.distcp")) + sorted(tmp.glob(f"rng/rank{rank}.pt"))
     if rank == 0 and (tmp / ".metadata").is_file():
         files.append(tmp / ".metadata")
-    sums = {str(f.relative_to(tmp)): file_sha256(f) for f in files}
+    sums = {str(f.relative_to(tmp)): known.get(f.name) or file_sha256(f) for f in files}
     (tmp / CHECKSUMS).mkdir(exist_ok=True)
     _write_durably(tmp / CHECKSUMS / f"rank{rank}.json", json.dumps(sums, indent=1))
 
 
-def check_checksums(path: Path) -> None:
-    """CheckpointError naming the first file whose SHA-256 differs from the one recorded
-    at save time (checkpoints written before checksums existed pass)."""
+def recorded_checksums(path: Path) -> list[tuple[Path, str, Path]]:
+    """(file, its recorded SHA-256, the record listing it) for every file the checksum
+    records list, in name order: the order every rank shares (none for checkpoints
+    written before checksums existed)."""
+    listed = {}
     for record in sorted((path / CHECKSUMS).glob("rank*.json")):
         try:
             sums = json.loads(record.read_text())
         except ValueError as error:
             raise CheckpointError(f"{record} is corrupt: {error}") from error
+        if not isinstance(sums, dict):
+            raise CheckpointError(f"{record} is corrupt: not a mapping of file to SHA-256")
         for name, digest in sums.items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"checkpoint file {file} is missing (listed in {record})")
-            if file_sha256(file) != digest:
-                raise CheckpointError(
-                    f"checkpoint file {file} does not match the SHA-256 recorded when it was "
-                    "written (altered or corrupted): resume from an earlier checkpoint"
-                )
+            listed[name] = (path / name, digest, record)
+    return [listed[name] for name in sorted(listed)]
+
+
+def check_listed_files(path: Path) -> None:
+    """CheckpointError naming the first file a checksum record lists that is missing."""
+    for file, _, record in recorded_checksums(path):
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing (listed in {record})")
+
+
+def check_checksums(path: Path, among_ranks: bool = False) -> None:
+    """CheckpointError naming the first file (in name order) whose SHA-256 differs from
+    the one recorded at save time (checkpoints written before checksums existed pass).
+
+    Alone, this process hashes every file. With `among_ranks` in a process group (every
+    rank calls, before anything loads), each rank hashes only its share, about 1/world
+    of the bytes (`hashing_share`), and one all-reduce (MIN) of the position of the first
+    bad file each rank found tells every rank the same file: all raise the same error."""
+    files = recorded_checksums(path)
+    rank, world = 0, 1
+    if among_ranks and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    # 2 * position for a file that differs, + 1 if it cannot be read; 2 * len: all good.
+    first_bad = 2 * len(files)
+    for position in hashing_share([_size(file) for file, _, _ in files], rank, world):
+        file, digest, _ = files[position]
+        try:
+            same = file_sha256(file) == digest
+        except OSError:
+            first_bad = 2 * position + 1
+            break
+        if not same:
+            first_bad = 2 * position
+            break
+    if world > 1:
+        first_bad = _min_over_ranks(first_bad)
+    if first_bad == 2 * len(files):
+        return
+    file, _, record = files[first_bad // 2]
+    if first_bad % 2:
+        raise CheckpointError(
+            f"checkpoint file {file} is missing or unreadable (listed in {record})"
+        )
+    raise CheckpointError(
+        f"checkpoint file {file} does not match the SHA-256 recorded when it was "
+        "written (altered or corrupted): resume from an earlier checkpoint"
+    )
+
+
+def hashing_share(sizes: list[int], rank: int, world: int) -> list[int]:
+    """The positions (ascending) of the files `rank` hashes: each file in turn, largest
+    first, goes to the rank with the fewest bytes so far (ties: the lower rank), so every
+    file is hashed by exactly one rank and each hashes about 1/world of the bytes. Every
+    rank computes the same split from the same sizes (a shared file system)."""
+    loads = [(0, r) for r in range(world)]
+    mine = []
+    for position in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, owner = heapq.heappop(loads)
+        if owner == rank:
+            mine.append(position)
+        heapq.heappush(loads, (load + sizes[position], owner))
+    return sorted(mine)
+
+
+def _size(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except OSError:  # its hashing rank reports it
+        return 0
+
+
+def _min_over_ranks(value: int) -> int:
+    """The smallest `value` of all ranks, on every rank (all ranks call)."""
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
+    flag = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return int(flag.item())
 
 
 def file_sha256(path: Path) -> str:
@@ -183,9 +267,9 @@ def check_shard_files(path: Path) -> None:
             )
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def begin(root: Path, step: int) -> Path:
@@ -211,10 +295,17 @@ def load_rng(path: Path) -> dict[str, torch.Tensor] | None:
     return torch.load(file, weights_only=True) if file.is_file() else None
 
 
-def commit(root: Path, tmp: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+def commit(
+    root: Path,
+    tmp: Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
     """After every rank wrote into `tmp`: rank 0 adds the trainer state, renames the
-    folder, moves `latest` and prunes (all ranks call)."""
-    barrier()
+    folder, moves `latest` and prunes (all ranks call; barriers on `group`)."""
+    barrier(group)
     final = root / step_name(step)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _write_durably(tmp / STATE_FILE, json.dumps(state, indent=1))
@@ -231,7 +322,7 @@ def commit(root: Path, tmp: Path, step: int, state: dict[str, Any], keep: int) -
         complete = complete_checkpoints(root)
         for old in complete[: max(0, len(complete) - keep)]:
             shutil.rmtree(old)
-    barrier()
+    barrier(group)
     return final
 
 

@@ -18,7 +18,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -103,15 +103,29 @@ def write_safetensors(
             got = (name, tuple(tensor.shape), tensor.dtype)
             if want is None or got != (want[0], tuple(want[1]), want[2]):
                 raise ValueError(f"{path}: tensor {got} arrived where the layout has {want}")
-            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-            if data.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-                # Handing a tensor's own storage to numpy marks it non-resizable for good,
-                # and stage 3 frees its buckets by resizing them: write a copy.
-                data = data.clone()
-            out.write(memoryview(data.numpy()))
-            del tensor, data  # before the next tensor is gathered: one at a time
+            _write_tensor(out, tensor)
+            del tensor  # before the next tensor is gathered: one at a time
         missing = next(expected, None)
         if missing is not None:
             raise ValueError(f"{path}: the stream ended before tensor {missing[0]}")
     os.replace(partial, path)
     return path
+
+
+WRITE_BLOCK_BYTES = 64 << 20  # a tensor goes to the file in blocks of whole rows this size
+
+
+def _write_tensor(out: Any, tensor: torch.Tensor) -> None:
+    """A tensor's bytes, row-major, in blocks of rows: what is copied at once (to host, to
+    contiguous memory, or away from the tensor's own storage) is one block, not the tensor
+    (a 4 GB embedding written whole would cost another 4 GB)."""
+    rows = tensor.detach().reshape(-1) if tensor.dim() < 2 else tensor.detach()
+    row_bytes = max(1, rows[0].numel() * rows.element_size()) if len(rows) else 1
+    for block in rows.split(max(1, WRITE_BLOCK_BYTES // row_bytes)):
+        data = block.contiguous().reshape(-1).view(torch.uint8).cpu()
+        if data.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            # Handing a tensor's own storage to numpy marks it non-resizable for good,
+            # and stage 3 frees its buckets by resizing them: write a copy.
+            data = data.clone()
+        out.write(memoryview(data.numpy()))
+        del data

@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from hybrid.distributed import init_distributed, shutdown, world_size_from_env
 
-from .checkpointing import resume_from
+from .checkpointing import resume_candidate, verify_resume
 from .config import Config, ConfigError, validate_layout
 from .data.token_file import resolve_files
 from .data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
@@ -78,12 +78,15 @@ def run(
     try:
         config = read_config(args.config, args.overrides)
         dp = check_before_start(config, world_size_from_env())
-        resume = resume_from(config)
+        candidate = resume_candidate(config)  # its files' sizes; the hashes need the group
     except ConfigError as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     env = init_distributed(config.dist_timeout_s)
     try:
+        # Each file hashed by one rank, one all-reduce: every rank resumes from the same
+        # checkpoint or raises the same error naming the same file.
+        resume = verify_resume(config, candidate)
         train(config, env, dp, resume)
         code = 0
     except ConfigError as error:  # found after start-up (e.g. the tokenizer's size): all ranks

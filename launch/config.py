@@ -9,6 +9,7 @@ The section and key names are the user-facing contract; rename nothing without a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -110,6 +111,11 @@ class CheckpointConfig:
     keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: str = "auto"  # auto: the latest in `dir` if any | none | a checkpoint folder
     dir: str | None = None  # default: <run_dir>/checkpoints
+    # What resume checks before anything loads: full: sizes, then the SHA-256 of every
+    # file, each hashed by one rank | size: sizes only | none: .metadata and state only.
+    verify: Literal["full", "size", "none"] = "full"
+    # Write checkpoints in the background (key `checkpoint.async`, a Python keyword).
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass
@@ -200,6 +206,11 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's config key: its name, unless that is a Python keyword (`async`)."""
+    return f.metadata.get("key", f.name)
+
+
 def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted key the config accepts, e.g. 'train.lr'."""
     keys = []
@@ -208,7 +219,7 @@ def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(kind):
             keys += valid_keys(kind, f"{prefix}{f.name}.")
         else:
-            keys.append(prefix + f.name)
+            keys.append(prefix + _key(f))
     return keys
 
 
@@ -226,7 +237,7 @@ def _build(cls: type, tree: Any, prefix: str) -> Any:
     if not isinstance(tree, dict):
         raise ConfigError(f"'{prefix.rstrip('.')}' is a section; give it keys, not a value")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {_key(f): f.name for f in dataclasses.fields(cls)}
     for key, value in tree.items():
         if key not in names:
             full = prefix + str(key)
@@ -235,12 +246,12 @@ def _build(cls: type, tree: Any, prefix: str) -> Any:
                 full += f".{key}"
             raise _unknown_key(full)
     values = {}
-    for name in names & tree.keys():
-        kind = hints[name]
+    for key in names.keys() & tree.keys():
+        name, kind = names[key], hints[names[key]]
         if dataclasses.is_dataclass(kind):
-            values[name] = _build(kind, tree[name], f"{prefix}{name}.")
+            values[name] = _build(kind, tree[key], f"{prefix}{key}.")
         else:
-            values[name] = _coerce(prefix + name, tree[name], kind)
+            values[name] = _coerce(prefix + key, tree[key], kind)
     return cls(**values)
 
 
@@ -410,5 +421,11 @@ def validate_layout(config: Config, world_size: int) -> int:
     return dp
 
 
-def to_dict(config: Config) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as its keys (`checkpoint.async`, not the field's name): what
+    load_config reads back."""
+    tree = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        tree[_key(f)] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return tree

@@ -17,6 +17,7 @@ import torch
 import yaml
 from transformers import PreTrainedTokenizerBase
 
+from hybrid.checkpoint_writer import CheckpointWriter
 from hybrid.distributed import DistributedEnv, barrier
 from hybrid.engine import Engine, EngineConfig
 from hybrid.full_state import full_tensor_layout, write_safetensors
@@ -24,7 +25,8 @@ from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
 from models.gpt import GPT, count_parameters, pad_vocab_size
-from models.gpt.hf import hf_to_ours, read_hf_weights, write_hf_folder
+from models.gpt.hf_export import write_hf_export
+from models.gpt.hf_files import open_hf_weights
 
 from .checkpointing import restore
 from .checkpointing import save as save_checkpoint
@@ -105,7 +107,7 @@ def build_model(
             )
         weights = None
         if not resume:
-            weights = hf_to_ours(read_hf_weights(config.init_from), model_config)
+            weights = open_hf_weights(config.init_from, model_config)  # reads on demand
         return GPT(
             model_config, tp, recompute, config.train.seed, device=device, init_weights=weights
         )
@@ -210,6 +212,7 @@ def train(
             f"train.steps (or stop_at) = {stop}; raise train.steps or set checkpoint.resume=none"
         )
     preemption = Preemption()
+    writer = CheckpointWriter(config.checkpoint.async_save)
     try:
         finished = _loop(
             engine,
@@ -225,7 +228,9 @@ def train(
             env,
             memory,
             planned,
+            writer,
         )
+        writer.close()  # the last checkpoint committed before anything else happens
     finally:
         preemption.uninstall()
     total_time = time.perf_counter() - started
@@ -267,6 +272,7 @@ def _loop(
     env: DistributedEnv,
     memory: PeakMemory,
     planned: int | None,
+    writer: CheckpointWriter,
 ) -> bool:
     """Train `steps`, appending each step's metrics to `history`; checkpoint every
     `checkpoint.every` steps and after the last. False when SIGTERM stopped it early
@@ -313,7 +319,9 @@ def _loop(
         every = config.checkpoint.every
         preempted = preemption.requested(topology, env.device)
         if (every and (step + 1) % every == 0) or step + 1 == steps.stop or preempted:
-            save_checkpoint(engine, config, step + 1, batches.consumed_samples, topology, tp)
+            save_checkpoint(
+                engine, config, step + 1, batches.consumed_samples, topology, tp, writer
+            )
         if preempted:
             return False
     return True
@@ -323,15 +331,19 @@ def write_final_weights(
     engine: Engine, config: Config, data: RunData, run_dir: Path, is_main: bool
 ) -> None:
     """The trained weights at tp=1 on the main rank. Every rank walks the stream of full
-    tensors (one bucket gathered at a time, hybrid.full_state): a pretraining run writes
-    model.safetensors tensor by tensor, so no rank ever holds the whole model; a
-    fine-tuning run's Hugging Face export converts a complete state on the main rank."""
-    if config.init_from is not None:  # fine-tuned: a folder from_pretrained loads
-        weights = {name: tensor.clone() for name, tensor in engine.full_tensors() if is_main}
-        if is_main:
-            write_hf_folder(run_dir / "hf", weights, engine.module.config)
-            data.tokenizer.save_pretrained(str(run_dir / "hf"))
-            print(f"exported the fine-tuned model to {run_dir / 'hf'}", flush=True)
+    tensors (one bucket gathered at a time, hybrid.full_state) and the main rank writes
+    each as it comes, so no rank ever holds the whole model: a pretraining run's
+    model.safetensors, or a fine-tuning run's Hugging Face folder (sharded safetensors,
+    converted tensor by tensor: models.gpt.hf_export)."""
+    if config.init_from is not None and is_main:  # fine-tuned: a folder from_pretrained loads
+        write_hf_export(
+            run_dir / "hf",
+            engine.module.config,
+            full_tensor_layout(engine),
+            engine.full_tensors(),
+            extra_files=lambda folder: data.tokenizer.save_pretrained(str(folder)),
+        )
+        print(f"exported the fine-tuned model to {run_dir / 'hf'}", flush=True)
         return
     if not is_main:
         for _ in engine.full_tensors():  # the collectives the main rank's writer needs

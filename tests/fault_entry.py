@@ -85,20 +85,23 @@ def _begin(root: Path, step: int) -> Path:
     return tmp
 
 
-def _save_engine(engine: Any, directory: Path) -> None:
-    original_save_engine(engine, directory)
+def _save_engine(engine: Any, directory: Path, *args: Any) -> Any:
+    written = original_save_engine(engine, directory, *args)
     step = int(directory.name.rsplit("_", 1)[-1])
     if _saving_mine(step) and KIND == "save-shards":
+        if hasattr(written, "result"):  # an asynchronous save: once its shards are on disk
+            written.result()
         for shard in directory.glob(f"__{RANK_HERE}_*.distcp"):
             data = shard.read_bytes()
             shard.write_bytes(data[: len(data) // 2])
         die()
+    return written
 
 
-def _commit(root: Path, tmp: Path, step: int, state: dict, keep: int) -> Path:
+def _commit(root: Path, tmp: Path, step: int, state: dict, keep: int, **kwargs: Any) -> Path:
     if _saving_mine(step) and KIND == "save-commit":
         die()
-    return original_commit(root, tmp, step, state, keep)
+    return original_commit(root, tmp, step, state, keep, **kwargs)
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -21,23 +21,26 @@ VOCAB = 1001  # not a multiple of 128, nor of tp=2: the vocabulary-parallel laye
 
 def make_hf(family: str, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised GPT2LMHeadModel (3 layers, 6 heads) or LlamaForCausalLM
-    (3 layers, 6 query heads on 2 kv heads, untied output); every parameter, biases and
+    (3 layers, 6 query heads on 2 kv heads, untied output): see `random_hf`."""
+    gpt2 = dict(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=3, n_head=6)
+    llama = dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, rope_theta=5000.0,
+    )  # fmt: skip
+    return random_hf(family, seed, gpt2 if family == "gpt2" else llama)
+
+
+def random_hf(family: str, seed: int, sizes: dict[str, Any]) -> torch.nn.Module:
+    """A GPT2LMHeadModel or LlamaForCausalLM of config `sizes`; every parameter, biases and
     norm gains included, gets noise on top of transformers' init, so a mapping that mixes
     up two tensors of the same shape cannot pass."""
     torch.manual_seed(seed)
     if family == "gpt2":
-        config = GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=3, n_head=6,
-            bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
+        config = GPT2Config(**sizes, bos_token_id=None, eos_token_id=None)
         model: torch.nn.Module = GPT2LMHeadModel(config)
     else:
-        config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
-            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-            tie_word_embeddings=False, rope_theta=5000.0,
-        )  # fmt: skip
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(LlamaConfig(**sizes))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -153,7 +153,7 @@ def test_a_failed_save_keeps_the_last_good_checkpoint(
     good = save_checkpoint(engine, tmp_path, 1, {"step": 1}, {}, keep=1)
     before = {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()}
 
-    def dies_mid_write(state_dict: dict, storage_writer: Any) -> None:
+    def dies_mid_write(state_dict: dict, storage_writer: Any, **kwargs: Any) -> None:
         (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half a shard")
         raise OSError("disk full")
 

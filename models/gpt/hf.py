@@ -6,6 +6,9 @@ Nothing here touches the network: folders are read and written locally.
     model = GPT(config, tp, init_weights=weights)  # each rank keeps its TP slice
     model = GPT(config, tp, device="meta", init_weights=weights)  # the Engine materialises
 
+    weights = open_hf_weights(folder, read_hf_config(folder))  # lazy: hf_files.py
+    model = GPT(config, tp, device="meta", init_weights=weights)  # reads only each shard
+
     full = dict(named_full_tensors(model, model.tp.group))  # every TP rank calls this
     write_hf_folder("out", full, model.config)  # one rank; from_pretrained("out") loads it
 
@@ -21,9 +24,7 @@ Layouts (ours are in models/gpt/attention.py and mlp.py):
 
 from __future__ import annotations
 
-import json
-import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import GPTConfig
-from .hf_layouts import Reader, standalone, to_hf, to_ours
+from .hf_bin import load_bin
+from .hf_layouts import PREFIX, Reader, import_all, standalone, to_hf
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -56,14 +58,7 @@ def hf_to_ours(hf_state: Mapping[str, Tensor], config: GPTConfig) -> dict[str, T
     (with or without the `transformer.` / `model.` prefix of the *ForCausalLM classes).
     A tensor left over that is neither a known buffer nor a tied output is an error."""
     family = _family(config)
-    state = Reader(hf_state, prefix="transformer." if family == "gpt2" else "model.")
-    ours = to_ours(family, state, config)
-    if config.tie_embeddings:
-        state.skip("lm_head.weight")
-    else:
-        ours["lm_head.weight"] = state.take("lm_head.weight")
-    state.check_all_used()
-    return ours
+    return import_all(family, Reader(hf_state, prefix=PREFIX[family]), config)
 
 
 def ours_to_hf(
@@ -91,8 +86,10 @@ def read_hf_folder(path: str | Path) -> tuple[GPTConfig, dict[str, Tensor]]:
 
 
 def read_hf_config(path: str | Path) -> GPTConfig:
-    """Our config from a checkpoint folder's config.json, after checking that the folder
-    also holds weights (nothing large is read): the checks a job runs before it starts."""
+    """Our config from a checkpoint folder's config.json, after checking the folder's
+    weights against it from the file headers (hf_files.open_hf_weights: every shard there,
+    every tensor's name and shape; nothing large is read): the checks a job runs on every
+    rank before it starts."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -110,41 +107,31 @@ def read_hf_config(path: str | Path) -> GPTConfig:
         hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"{config_file}: not a readable Hugging Face config ({error})") from error
-    hf_weights_file(folder)
-    return config_from_hf(hf_config)
+    try:
+        config = config_from_hf(hf_config)
+    except ValueError as error:
+        raise ValueError(f"{config_file}: {error}") from None
+    from .hf_files import open_hf_weights  # here: it imports this module
 
-
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def hf_weights_file(folder: str | Path) -> Path:
-    """The file read_hf_weights reads: the first of WEIGHT_FILES present."""
-    folder = Path(folder)
-    for name in WEIGHT_FILES:
-        if (folder / name).is_file():
-            return folder / name
-    raise FileNotFoundError(
-        f"{folder}: no weights; expected model.safetensors, model.safetensors.index.json "
-        "or pytorch_model.bin"
-    )
+    open_hf_weights(folder, config)
+    return config
 
 
 def read_hf_weights(folder: str | Path) -> dict[str, Tensor]:
-    """The tensors of a checkpoint folder under their Hugging Face names (see read_hf_folder
-    for the files looked for, in order)."""
-    file = hf_weights_file(folder)
-    readers = {
-        "model.safetensors": _load_safetensors,
-        "model.safetensors.index.json": lambda f: _load_sharded(f, _load_safetensors),
-        "pytorch_model.bin": _load_torch,
-        "pytorch_model.bin.index.json": lambda f: _load_sharded(f, _load_torch),
-    }
-    return readers[file.name](file)
+    """Every tensor of a checkpoint folder under its Hugging Face name, all read (the
+    eager path; a job reads lazily: hf_files.open_hf_weights). The files looked for, in
+    order, are hf_files.weight_files'; a pickle is unpickled with weights_only=True."""
+    from .hf_files import weight_files  # here: it imports this module
+
+    where, files, weight_map = weight_files(Path(folder))
+    load = load_bin if files[0].suffix == ".bin" else _load_safetensors
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state |= load(file)
+    missing = sorted((weight_map or {}).keys() - state.keys())
+    if missing:
+        raise ValueError(f"{where}: tensors listed but not in their shard files: {missing[:5]}")
+    return state
 
 
 def write_hf_folder(path: str | Path, full_state: Mapping[str, Tensor], config: GPTConfig) -> Path:
@@ -303,32 +290,3 @@ def _load_safetensors(file: Path) -> dict[str, Tensor]:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError) as error:
         raise ValueError(f"{file}: not a readable safetensors file ({error})") from error
-
-
-def _load_torch(file: Path) -> dict[str, Tensor]:
-    """A pickled state dict, unpickled with weights_only=True: only tensors and plain
-    containers are accepted, so a malicious file cannot run code."""
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
-        raise ValueError(
-            f"{file}: not a readable PyTorch state dict under torch.load(weights_only=True) "
-            f"({error})"
-        ) from error
-    if not isinstance(state, Mapping) or not all(isinstance(t, Tensor) for t in state.values()):
-        raise ValueError(f"{file}: expected a mapping of names to tensors")
-    return dict(state)
-
-
-def _load_sharded(index: Path, load: Callable[[Path], dict[str, Tensor]]) -> dict[str, Tensor]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{index}: not a readable checkpoint index ({error})") from error
-    state: dict[str, Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        state |= load(index.parent / shard)
-    missing = sorted(weight_map.keys() - state.keys())
-    if missing:
-        raise ValueError(f"{index}: tensors listed but not in their shard files: {missing[:5]}")
-    return state

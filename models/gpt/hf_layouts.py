@@ -5,6 +5,12 @@
   [q | k | v], each (head, head_dim); ours is (head, q|k|v, head_dim) (attention.py).
 - Llama's q_proj, k_proj, v_proj become one QKV in (kv_head, [q_1 .. q_g, k, v], head_dim);
   gate_proj and up_proj one fc with interleaved (feature, gate|up) rows (mlp.py).
+
+The import direction is written once, against a Reader: the eager import (hf.hf_to_ours)
+runs it on tensors, the lazy one (hf_files) on row ids, to learn where each of our rows
+lives in the files. So every operation on what a Reader hands out works along dim 0 only
+(chunk, unflatten, cat, stack, flatten); a transposed (Conv1D) tensor is asked for with
+`take_transposed`, whose dim 0 is the stored tensor's dim 1.
 """
 
 from __future__ import annotations
@@ -21,6 +27,14 @@ Tensor = torch.Tensor
 # Tensors some checkpoints carry that are not parameters (causal-mask and rotary buffers).
 _BUFFERS = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
 
+# The prefix of the *ForCausalLM classes' names (a bare GPT2Model / LlamaModel has none).
+PREFIX = {"gpt2": "transformer.", "llama": "model."}
+
+
+def is_buffer(name: str) -> bool:
+    """A non-parameter tensor (causal mask, rotary frequencies) an import may skip."""
+    return bool(_BUFFERS.search(name))
+
 
 class Reader:
     """Hands out a state dict's tensors by name (prefix optional) and remembers which
@@ -36,11 +50,15 @@ class Reader:
         self.used.add(name)
         return self.state[name]
 
+    def take_transposed(self, name: str) -> Tensor:
+        """A Conv1D weight, stored (in, out), as (out, in)."""
+        return self.take(name).t()
+
     def skip(self, name: str) -> None:
         self.used.add(name)
 
     def check_all_used(self) -> None:
-        left = sorted(k for k in self.state.keys() - self.used if not _BUFFERS.search(k))
+        left = sorted(k for k in self.state.keys() - self.used if not is_buffer(k))
         if left:
             raise ValueError(f"checkpoint tensors with no place in the model: {left}")
 
@@ -88,9 +106,9 @@ _GPT2_TOP |= {"ln_f.weight": "ln_f.weight", "ln_f.bias": "ln_f.bias"}
 def _gpt2_to_ours(state: Reader, config: GPTConfig) -> dict[str, Tensor]:
     ours = {a: state.take(b) for a, b in _GPT2_TOP.items()}
     ours |= {a: state.take(b) for a, b in _per_layer(config, _gpt2_layer_names)}
-    ours |= {a: state.take(b).t() for a, b in _per_layer(config, _gpt2_conv1d_names)}
+    ours |= {a: state.take_transposed(b) for a, b in _per_layer(config, _gpt2_conv1d_names)}
     for i in range(config.n_layer):
-        weight = state.take(f"h.{i}.attn.c_attn.weight").t()  # rows [q | k | v]
+        weight = state.take_transposed(f"h.{i}.attn.c_attn.weight")  # rows [q | k | v]
         bias = state.take(f"h.{i}.attn.c_attn.bias")
         ours[f"blocks.{i}.attn.qkv.weight"] = _fuse_qkv(*weight.chunk(3), config)
         ours[f"blocks.{i}.attn.qkv.bias"] = _fuse_qkv(*bias.chunk(3), config)
@@ -149,6 +167,19 @@ def _ours_to_llama(full: Mapping[str, Tensor], config: GPTConfig) -> dict[str, T
 def to_ours(family: str, reader: Reader, config: GPTConfig) -> dict[str, Tensor]:
     """Our full tensors from a checkpoint of `family` ("gpt2" or "llama")."""
     return (_gpt2_to_ours if family == "gpt2" else _llama_to_ours)(reader, config)
+
+
+def import_all(family: str, reader: Reader, config: GPTConfig) -> dict[str, Tensor]:
+    """`to_ours` plus the output layer (a tied one is the embedding: a stored copy is
+    skipped); a tensor left over that is neither a known buffer nor a tied output is an
+    error."""
+    ours = to_ours(family, reader, config)
+    if config.tie_embeddings:
+        reader.skip("lm_head.weight")
+    else:
+        ours["lm_head.weight"] = reader.take("lm_head.weight")
+    reader.check_all_used()
+    return ours
 
 
 def to_hf(family: str, full: Mapping[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:

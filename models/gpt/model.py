@@ -36,12 +36,13 @@ from hybrid.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from hybrid.tensor_parallel.layers import parallel_linear_input
-from hybrid.tensor_parallel.shards import Init, full_shape, local_slice, seeded_elements
+from hybrid.tensor_parallel.shards import Init, full_shape, seeded_elements
 
 from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .mlp import make_mlp
 from .norms import make_norm
+from .weight_source import WeightSource, as_weight_source
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 IGNORE_INDEX = -100  # a target that takes no loss (torch's and Hugging Face's convention)
@@ -92,11 +93,13 @@ class GPT(nn.Module):
         seed: int = 0,
         n_real_tokens: int | None = None,
         device: torch.device | str | None = None,
-        init_weights: Mapping[str, torch.Tensor] | None = None,
+        init_weights: Mapping[str, torch.Tensor] | WeightSource | None = None,
     ) -> None:
         """On `device="meta"` only shapes exist: nothing is allocated or initialised, and
         the Engine materialises each rank's shard from `initial_value` (ZeRO-3 at scale),
-        which slices `init_weights` when given, else draws from the seed."""
+        which reads this rank's piece of `init_weights` when given (a mapping of full
+        tensors, or a WeightSource such as models.gpt.hf_files.open_hf_weights' lazy
+        files), else draws from the seed."""
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size must be set before building the model")
@@ -107,7 +110,7 @@ class GPT(nn.Module):
         self.config, self.tp = config, tp
         self.n_real_tokens = n_real_tokens or config.vocab_size
         self.seed = seed
-        self._init_weights: Mapping[str, torch.Tensor] | None = None
+        self._init_weights: WeightSource | None = None
         with torch.device(device or "cpu"):
             self.wte = VocabParallelEmbedding(config.vocab_size, config.d_model, tp)
             if config.positions == "learned":
@@ -140,16 +143,20 @@ class GPT(nn.Module):
         init_from_seed(self, seed, self._init_rule, self.tp.rank)
 
     @torch.no_grad()
-    def load_full_state(self, state: Mapping[str, torch.Tensor]) -> None:
+    def load_full_state(self, state: Mapping[str, torch.Tensor] | WeightSource) -> None:
         """Set every parameter to this TP rank's slice of the full (tp=1) tensor of the same
-        name in `state`; names and full shapes must match exactly.
+        name in `state` (a mapping, or a WeightSource that reads lazily); names and full
+        shapes must match exactly.
 
-        Parameters on the meta device cannot take data: for them the mapping is kept, and
-        `initial_value` slices it when the Engine materialises the model (the tensors stay
-        referenced until `reset_parameters` or the model is dropped).
+        Parameters on the meta device cannot take data: for them the source is kept, and
+        `initial_values` reads from it only the piece the Engine materialises (a mapping's
+        tensors stay referenced until `forget_initial_weights`, `reset_parameters` or the
+        model is dropped; a lazy source holds no weights).
         """
+        source = as_weight_source(state)
         expected = dict(self.named_parameters())
-        missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+        names = set(source.names())
+        missing, unexpected = expected.keys() - names, names - expected.keys()
         if missing or unexpected:
             raise ValueError(
                 f"imported weights do not match the model: missing {sorted(missing)}, "
@@ -157,21 +164,21 @@ class GPT(nn.Module):
             )
         specs = parameter_shards(self)
         for name, param in expected.items():
-            want = full_shape(param, specs.get(name))
-            if tuple(state[name].shape) != want:
+            want, got = full_shape(param, specs.get(name)), tuple(source.shape(name))
+            if got != want:
                 raise ValueError(
-                    f"imported weight {name} has shape {tuple(state[name].shape)}; the model "
-                    f"(tp=1) expects {want}"
+                    f"imported weight {name} has shape {got}; the model (tp=1) expects {want}"
                 )
         if any(p.device.type == "meta" for p in expected.values()):
-            self._init_weights = state
+            self._init_weights = source
         for name, param in expected.items():
             if param.device.type != "meta":
-                param.copy_(local_slice(state[name], specs.get(name), self.tp.rank))
+                value = source.read(name, specs.get(name), self.tp.rank, 0, param.numel())
+                param.copy_(value.reshape(param.shape))
 
     def forget_initial_weights(self) -> None:
-        """Drop the imported tensors kept for `initial_value` once the Engine has
-        materialised every shard (each rank would otherwise hold the full model)."""
+        """Drop the imported weights kept for `initial_values` once the Engine has
+        materialised every shard (tensors in memory would otherwise stay referenced)."""
         self._init_weights = None
 
     def initial_value(self, name: str) -> torch.Tensor:
@@ -188,8 +195,8 @@ class GPT(nn.Module):
         param = self.get_parameter(name)
         spec = parameter_shards(self).get(name)
         if self._init_weights is not None:
-            local = local_slice(self._init_weights[name], spec, self.tp.rank)
-            return local.reshape(-1)[start:end].to(param.dtype)
+            value = self._init_weights.read(name, spec, self.tp.rank, start, end)
+            return value.to(param.dtype)
         full = full_shape(param, spec)
         rank = self.tp.rank
         return seeded_elements(name, full, spec, self.seed, self._init_rule, rank, start, end)

@@ -1,0 +1,115 @@
+"""DCP's file writer, hashing each shard file (SHA-256) as it writes it.
+
+A checkpoint records the SHA-256 of every file it writes, so that resume can name an
+altered one (hybrid.checkpoint_files). Hashing the files after writing them read every
+byte back and took about as long as the write itself; here the bytes are hashed on their
+way to the file, in a thread of their own, so the hash runs while the write and its fsync
+wait on the disk (hashlib releases the GIL on large buffers).
+
+The hash thread reads the writer's buffers after `write` has returned. torch.save hands
+large tensor records over as memoryviews of the tensor's own storage, and DCP keeps every
+tensor of a file alive until the file is closed; the stream waits for the hash before it
+is synced and closed, so those buffers are still valid. Small buffers (zip headers) are
+copied. Should that ever break, the recorded hash differs from the file and resume names
+the file as altered: a false alarm, never a silent corruption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Generator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+COPY_BELOW = 1 << 16  # bytes: buffers this small are copied (and gathered) to be hashed
+
+
+class _HashingStream(io.RawIOBase):
+    """A binary file whose bytes are also fed, in order, to a SHA-256 in another thread."""
+
+    def __init__(self, raw: Any, executor: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self.raw, self.executor = raw, executor
+        self.sha = hashlib.sha256()
+        self.last: Future | None = None
+        self.small = bytearray()  # small writes, gathered: one hand-over per 64 KiB
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes < COPY_BELOW:
+            self.small += view
+            if len(self.small) >= COPY_BELOW:
+                self._hand_over_small()
+        else:
+            self._hand_over_small()
+            self._hash(view)
+        return self.raw.write(view)
+
+    def _hand_over_small(self) -> None:
+        if self.small:
+            self._hash(memoryview(bytes(self.small)))
+            self.small.clear()
+
+    def _hash(self, view: memoryview) -> None:
+        self.last = self.executor.submit(self.sha.update, view)  # one thread: in order
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        self.digest()  # DCP syncs, then closes: the buffers are still alive here
+        return self.raw.fileno()
+
+    def digest(self) -> str:
+        self._hand_over_small()
+        if self.last is not None:
+            self.last.result()
+        return self.sha.hexdigest()
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self, digests: dict[str, str]) -> None:
+        super().__init__()
+        self.digests = digests
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        if mode != "wb" or not str(path).endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        crc32 = torch.serialization.get_crc32_options()
+        # torch.save's zip records would also carry a CRC-32 of the same bytes: a second
+        # checksum, a third of its time (restored when the file is done).
+        torch.serialization.set_crc32_options(False)
+        try:
+            with ThreadPoolExecutor(1, "checkpoint-hash") as executor, Path(path).open("wb") as raw:
+                stream = _HashingStream(raw, executor)
+                yield stream
+                self.digests[Path(path).name] = stream.digest()
+        finally:
+            torch.serialization.set_crc32_options(crc32)
+
+
+class HashingWriter(FileSystemWriter):
+    """FileSystemWriter that records the SHA-256 of each shard file it writes in
+    `digests` (file name -> hex digest), without reading any file back."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.digests: dict[str, str] = {}
+        self.fs = _HashingFileSystem(self.digests)
