@@ -18,7 +18,7 @@ masters.
 The step, data position, loss scale and config go in `trainer_state.json`; random states
 per rank in `rng/rank<N>.pt`; loading reads no pickle that could run code (`.metadata`
 through an allow-list unpickler, tensors through `torch.load(weights_only=True)`).
-Each shard file's SHA-256 is taken as it is written (hybrid.checkpoint_hashing). A
+Each shard file's checksum is taken as it is written (hybrid.checkpoint_hashing). A
 checkpoint may lack Adam's moments (launch.convert --from-hf): it loads with fresh ones.
 """
 
@@ -199,7 +199,7 @@ def finish_save(
     digests: dict[str, str],
     group: dist.ProcessGroup | None = None,
 ) -> Path:
-    """After this rank's shards are in `tmp` (`digests`: their SHA-256): its random states
+    """After this rank's shards are in `tmp` (`digests`: their checksums): its random states
     and checksums, then the rename and `latest` once every rank is there (collectives on
     `group` only)."""
     save_rng(tmp, rng)
@@ -225,7 +225,7 @@ def save_engine(
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, str] | Future:
     """Write this rank's part of the model and optimizer state (every rank calls it);
-    returns the SHA-256 of each file written, hashed on the way (hybrid.checkpoint_hashing).
+    returns the checksum of each file written, taken on the way (hybrid.checkpoint_hashing).
     With `staged` (a copy of `engine_flats`) it writes in the background through DCP's
     async_save and returns a future of those digests, done once the shards and, on rank 0,
     the index are written."""

@@ -1,10 +1,11 @@
-"""DCP's file writer, hashing each shard file (SHA-256) as it writes it.
+"""DCP's file writer, hashing each shard file (xxh3, hybrid.checkpoint_files.CHECKSUM) as
+it writes it.
 
-A checkpoint records the SHA-256 of every file it writes, so that resume can name an
+A checkpoint records the checksum of every file it writes, so that resume can name an
 altered one (hybrid.checkpoint_files). Hashing the files after writing them read every
 byte back and took about as long as the write itself; here the bytes are hashed on their
 way to the file, in a thread of their own, so the hash runs while the write and its fsync
-wait on the disk (hashlib releases the GIL on large buffers).
+wait on the disk.
 
 The hash thread reads the writer's buffers after `write` has returned. torch.save hands
 large tensor records over as memoryviews of the tensor's own storage, and DCP keeps every
@@ -16,7 +17,6 @@ the file as altered: a false alarm, never a silent corruption.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from collections.abc import Generator
@@ -26,19 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from .checkpoint_files import CHECKSUM
 
 COPY_BELOW = 1 << 16  # bytes: buffers this small are copied (and gathered) to be hashed
 
 
 class _HashingStream(io.RawIOBase):
-    """A binary file whose bytes are also fed, in order, to a SHA-256 in another thread."""
+    """A binary file whose bytes are also fed, in order, to a checksum in another thread."""
 
     def __init__(self, raw: Any, executor: ThreadPoolExecutor) -> None:
         super().__init__()
         self.raw, self.executor = raw, executor
-        self.sha = hashlib.sha256()
+        self.checksum = xxhash.xxh3_128()
         self.last: Future | None = None
         self.small = bytearray()  # small writes, gathered: one hand-over per 64 KiB
 
@@ -62,7 +65,7 @@ class _HashingStream(io.RawIOBase):
             self.small.clear()
 
     def _hash(self, view: memoryview) -> None:
-        self.last = self.executor.submit(self.sha.update, view)  # one thread: in order
+        self.last = self.executor.submit(self.checksum.update, view)  # one thread: in order
 
     def tell(self) -> int:
         return self.raw.tell()
@@ -78,7 +81,7 @@ class _HashingStream(io.RawIOBase):
         self._hand_over_small()
         if self.last is not None:
             self.last.result()
-        return self.sha.hexdigest()
+        return f"{CHECKSUM}:{self.checksum.hexdigest()}"
 
 
 class _HashingFileSystem(FileSystem):
@@ -106,8 +109,8 @@ class _HashingFileSystem(FileSystem):
 
 
 class HashingWriter(FileSystemWriter):
-    """FileSystemWriter that records the SHA-256 of each shard file it writes in
-    `digests` (file name -> hex digest), without reading any file back."""
+    """FileSystemWriter that records the checksum of each shard file it writes in
+    `digests` (file name -> "xxh3_128:<hex>"), without reading any file back."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)

@@ -63,7 +63,7 @@ def resume_candidate(config: Config) -> Path | None:
 
 
 def verify_resume(config: Config, candidate: Path | None) -> Path | None:
-    """The checkpoint to load: `candidate` once its files hash to their recorded SHA-256
+    """The checkpoint to load: `candidate` once its files hash to their recorded checksums
     (verify=full; every rank calls, after the process group starts and before anything
     loads). Each file is hashed by one rank and one all-reduce per checkpoint tells all
     ranks the verdict, so with resume=auto they skip a damaged one alike, with a warning,
@@ -72,7 +72,7 @@ def verify_resume(config: Config, candidate: Path | None) -> Path | None:
     if candidate is not None and verify == "none":
         _warn(
             f"warning: checkpoint.verify=none: {candidate} is loaded without checking its "
-            "files' SHA-256: an altered file would load unnoticed"
+            "files' checksums: an altered file would load unnoticed"
         )
     if candidate is None or verify != "full":
         return candidate

@@ -111,7 +111,7 @@ class CheckpointConfig:
     keep: int = 3  # complete checkpoints kept; older ones are deleted
     resume: str = "auto"  # auto: the latest in `dir` if any | none | a checkpoint folder
     dir: str | None = None  # default: <run_dir>/checkpoints
-    # What resume checks before anything loads: full: sizes, then the SHA-256 of every
+    # What resume checks before anything loads: full: sizes, then the checksum of every
     # file, each hashed by one rank | size: sizes only | none: .metadata and state only.
     verify: Literal["full", "size", "none"] = "full"
     # Write checkpoints in the background (key `checkpoint.async`, a Python keyword).

@@ -398,7 +398,7 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "a shard's SHA-256 taken while writing misses its small writes",
+        "a shard's checksum taken while writing misses its small writes",
         "hybrid/checkpoint_hashing.py",
         "            view = memoryview(bytes(view))\n",
         "            return self.raw.write(view)\n",

@@ -3,6 +3,8 @@ background (checkpoint.async): counted and compared from outside the code under 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from pathlib import Path
 
@@ -10,10 +12,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zero_cases
-from checkpoint_async_cases import count_save_collectives, save_while_training
+from checkpoint_async_cases import (
+    count_save_collectives,
+    independent_checksum,
+    save_while_training,
+)
 
 from hybrid.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.checkpoint_files import CheckpointError, file_sha256
+from hybrid.checkpoint_files import CheckpointError, check_checksums
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.testing import run_processes
@@ -45,7 +51,7 @@ def test_a_save_holds_the_state_of_its_step_while_training_goes_on(
 ) -> None:
     """Two more steps run while the checkpoint of step 2 is written; loading it gives the
     state of step 2 exactly (a copy staged before the save returned, not the live
-    tensors), and every recorded SHA-256 equals the file's, hashed again from disk."""
+    tensors), and every recorded checksum equals the file's, hashed again from disk."""
     ranks = run_processes(save_while_training, 2, str(tmp_path), asynchronous)
     for rank in ranks:
         assert rank["checksums_match"] and all(rank["checksums_match"].values())
@@ -88,10 +94,26 @@ def test_digests_taken_while_writing_equal_the_files(tmp_path: Path) -> None:
     saved = save_checkpoint(_engine(1), tmp_path, 1, {"step": 1}, {}, keep=1)
     shard = next(saved.glob("*.distcp"))
     record = (saved / "checksums" / "rank0.json").read_text()
-    assert file_sha256(shard) in record
+    assert independent_checksum(shard) in record
 
 
 def _engine(seed: int) -> Engine:
     topology = Topology.single()
     model = GPT(zero_cases.CONFIG, seed=seed)
     return Engine(model, topology, TensorParallel.from_topology(topology, seed), EngineConfig())
+
+
+def test_a_checkpoint_with_older_sha256_records_still_verifies(tmp_path: Path) -> None:
+    """Checkpoints written before the checksums were xxh3 recorded bare SHA-256 digests."""
+    saved = save_checkpoint(_engine(1), tmp_path, 1, {"step": 1}, {}, keep=1)
+    record = saved / "checksums" / "rank0.json"
+    sums = json.loads(record.read_text())
+    old = {name: hashlib.sha256((saved / name).read_bytes()).hexdigest() for name in sums}
+    record.write_text(json.dumps(old))
+    check_checksums(saved)
+    shard = next(saved.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match the checksum"):
+        check_checksums(saved)

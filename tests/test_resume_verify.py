@@ -188,7 +188,7 @@ def test_the_command_line_hashes_after_start_up_and_names_the_file(
     argv = ["--config", str(TINY_CONFIG), f"checkpoint.resume={folder}"]
     assert pretrain.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert f"checkpoint file {folder / ALTERED} does not match the SHA-256" in err
+    assert f"checkpoint file {folder / ALTERED} does not match the checksum" in err
     assert len(err.splitlines()) == 1 and not trained
     assert pretrain.main([*argv, "checkpoint.verify=size"]) == 0
     assert trained[0][3] == folder
