@@ -1,21 +1,22 @@
 """Checkpoint save speed against a raw write of the same bytes to the same folder.
 
-    python benchmarks/checkpoint_speed.py [--reps 5] [--layers 24] [--d-model 512]
+    python benchmarks/checkpoint_speed.py [--reps 5] [--ranks 2] [--layers 24] [--d-model 512]
 
-Two gloo ranks (dp=2, ZeRO-3) of a GPT (24 layers, d_model 512, vocabulary 512: about
+Two gloo ranks (dp=2, ZeRO-3; `--ranks 1`: one, with this machine's second core free)
+of a GPT (24 layers, d_model 512, vocabulary 512: about
 76M parameters, 12 bytes each in a checkpoint, ~870 MiB per checkpoint). Each repetition
 alternates, in one folder:
 - raw: every rank writes its share of the checkpoint's bytes (one file, then fsync);
 - sync: `save_checkpoint` (shards, random states, checksums, rename, `latest`): training
   waits for all of it;
-- DCP alone: `dcp.save` of the same pieces with DCP's plain writer (no SHA-256, no
+- DCP alone: `dcp.save` of the same pieces with DCP's plain writer (no checksum, no
   commit): the floor of a save through DCP;
 - async: `CheckpointWriter(asynchronous=True).save` returns after the host copy (the
   stall); training steps run while the thread writes; the steps' extra time over a step
   with no save in flight is added to the stall.
 Each figure is the slowest rank's (the job waits for it). Ratios are per repetition
 (save / the raw write next to it); the table gives their median and range. Writes
-benchmarks/checkpoint_speed.md and .json.
+benchmarks/checkpoint_speed.md and .json (checkpoint_speed_<N>rank.* for another --ranks).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def _rank(root: str, reps: int, layers: int, d_model: int) -> list[dict[str, flo
     from models.gpt import GPT, GPTConfig
 
     env = init_distributed()
+    if not dist.is_initialized():  # one rank: a group of one, so the script runs alike
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         config = GPTConfig(n_layer=layers, n_head=8, d_model=d_model, seq_len=64, vocab_size=512)
         topology = Topology.build(1)
@@ -130,6 +133,9 @@ def _rank(root: str, reps: int, layers: int, d_model: int) -> list[dict[str, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="dp degree (2: both of this machine's cores busy)"
+    )
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temp one)")
@@ -137,18 +143,19 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ckpt_speed_", dir=args.dir))
     try:
         rows = run_processes(
-            _rank, 2, str(root), args.reps, args.layers, args.d_model, timeout_s=3600
+            _rank, args.ranks, str(root), args.reps, args.layers, args.d_model, timeout_s=3600
         )[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out = ROOT / "benchmarks"
-    (out / "checkpoint_speed.json").write_text(json.dumps(rows, indent=1))
-    (out / "checkpoint_speed.md").write_text(_table(rows, args))
+    name = "checkpoint_speed" if args.ranks == 2 else f"checkpoint_speed_{args.ranks}rank"
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{name}.md").write_text(_table(rows, args))
     print(_table(rows, args))
 
 
 def _table(rows: list[dict[str, float]], args: argparse.Namespace) -> str:
-    mib = rows[0]["bytes_per_rank"] * 2 / 2**20
+    mib = rows[0]["bytes_per_rank"] * args.ranks / 2**20
 
     def ratio(key: str) -> str:
         values = [r[key] / r["raw_s"] for r in rows]
@@ -160,7 +167,8 @@ def _table(rows: list[dict[str, float]], args: argparse.Namespace) -> str:
     lines = [
         "# Checkpoint save speed",
         "",
-        f"`python benchmarks/checkpoint_speed.py --reps {args.reps}`: 2 gloo ranks, dp=2, "
+        f"`python benchmarks/checkpoint_speed.py --reps {args.reps} --ranks {args.ranks}`: "
+        f"{args.ranks} gloo rank(s), dp={args.ranks}, "
         f"ZeRO-3, {args.layers} layers, d_model {args.d_model}, {mib:.0f} MiB per checkpoint; "
         f"{len(rows)} repetitions, alternating. Ratios: time / the raw write (fsync) of the "
         "same bytes to the same folder in the same repetition; median (range). Bandwidth: "
