@@ -44,11 +44,20 @@ def _bytes_read() -> int:
 
 
 def _counted(call: Any) -> tuple[Any, int]:
-    """`call()` and the bytes this process read during it, less the counter's own read."""
+    """`call()` and the bytes this process read during it, less the counter's own read.
+
+    In a process group every rank calls it together. The barriers keep the other ranks inside the same
+    window: rank 0 hosts the TCP store, whose thread read()s every store request another
+    rank sends (creating a group, say), and those bytes count in rank 0's rchar."""
+    together = dist.barrier if dist.is_initialized() else lambda: None
     own = -_bytes_read() + _bytes_read()
+    together()
     before = _bytes_read()
     result = call()
-    return result, _bytes_read() - before - own
+    together()
+    read = _bytes_read() - before - own
+    together()  # no rank moves on to store requests before every rank has counted
+    return result, read
 
 
 def _config(root: Path, *extra: str) -> Any:
