@@ -1,5 +1,5 @@
-"""DCP's file writer, hashing each shard file (xxh3, hybrid.checkpoint_files.CHECKSUM) as
-it writes it.
+"""The checkpoint writer (hybrid.checkpoint_raw.RawWriter), hashing each shard file
+(xxh3, hybrid.checkpoint_files.CHECKSUM) as it writes it.
 
 A checkpoint records the checksum of every file it writes, so that resume can name an
 altered one (hybrid.checkpoint_files). Hashing the files after writing them read every
@@ -7,12 +7,12 @@ byte back and took about as long as the write itself; here the bytes are hashed 
 way to the file, in a thread of their own, so the hash runs while the write and its fsync
 wait on the disk.
 
-The hash thread reads the writer's buffers after `write` has returned. torch.save hands
-large tensor records over as memoryviews of the tensor's own storage, and DCP keeps every
-tensor of a file alive until the file is closed; the stream waits for the hash before it
-is synced and closed, so those buffers are still valid. Small buffers (zip headers) are
-copied. Should that ever break, the recorded hash differs from the file and resume names
-the file as altered: a false alarm, never a silent corruption.
+The hash thread reads the writer's buffers after `write` has returned. RawWriter hands
+each piece over as a memoryview of the tensor's own memory; the view, queued for the
+hash thread, keeps that memory alive until it is hashed, and the stream waits for the
+hash before the file is synced and closed. Small buffers are copied and gathered. Should
+that ever break, the recorded hash differs from the file and resume names the file as
+altered: a false alarm, never a silent corruption.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .checkpoint_files import CHECKSUM
+from .checkpoint_raw import RawWriter
 
 COPY_BELOW = 1 << 16  # bytes: buffers this small are copied (and gathered) to be hashed
 
@@ -95,21 +94,14 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        crc32 = torch.serialization.get_crc32_options()
-        # torch.save's zip records would also carry a CRC-32 of the same bytes: a second
-        # checksum, a third of its time (restored when the file is done).
-        torch.serialization.set_crc32_options(False)
-        try:
-            with ThreadPoolExecutor(1, "checkpoint-hash") as executor, Path(path).open("wb") as raw:
-                stream = _HashingStream(raw, executor)
-                yield stream
-                self.digests[Path(path).name] = stream.digest()
-        finally:
-            torch.serialization.set_crc32_options(crc32)
+        with ThreadPoolExecutor(1, "checkpoint-hash") as executor, Path(path).open("wb") as raw:
+            stream = _HashingStream(raw, executor)
+            yield stream
+            self.digests[Path(path).name] = stream.digest()
 
 
-class HashingWriter(FileSystemWriter):
-    """FileSystemWriter that records the checksum of each shard file it writes in
+class HashingWriter(RawWriter):
+    """RawWriter that records the checksum of each shard file it writes in
     `digests` (file name -> "xxh3_128:<hex>"), without reading any file back."""
 
     def __init__(self, path: str | os.PathLike) -> None:

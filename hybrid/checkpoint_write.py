@@ -9,14 +9,12 @@ meta pieces: hybrid.checkpoint_chunks), so neither this writer nor a reader ever
 more than one chunk of a tensor it does not keep: a rank loading its 1/8 of a 70B
 model's 4 GB embedding reads the chunks that overlap its share, not the whole tensor.
 
-DCP plans the save from shapes and dtypes alone; the planner's `resolve_data`, which DCP's
-file writer calls for one item at a time right before writing it (thread_count=1:
-torch's _SerialCpuLoader), produces the piece. The writer keeps a reference to every
-piece it wrote until the file is closed (torch.distributed.checkpoint.filesystem.
-_write_files_from_queue's tensor_dict, used only for its safetensors format), so each
-piece's storage is released as soon as the next one is asked for.
+DCP plans the save from shapes and dtypes alone; the planner's `resolve_data`, which the
+writer (hybrid.checkpoint_raw.RawWriter) calls for one item at a time right before
+writing it, produces the piece, and the writer holds no reference to it once written:
+each piece's storage is released as soon as the next one is asked for.
 
-The result is a standard DCP checkpoint that any layout loads, since DCP copies the
+The result is a checkpoint in DCP's layout that any layout loads, since DCP copies the
 overlapping part of each chunk into whatever a rank holds.
 """
 
@@ -32,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import WriteItem
 
 from .checkpoint_chunks import ChunkedTensor, ChunkSavePlanner
+from .checkpoint_raw import RawWriter
 
 TensorLayout = list[tuple[str, tuple[int, ...], torch.dtype]]
 Produce = Callable[[str, int, int], torch.Tensor]
@@ -56,19 +55,14 @@ class _ProducingPlanner(ChunkSavePlanner):
         got, want = (tuple(tensor.shape), tensor.dtype), (sizes, self.dtypes[key])
         if got != want:
             raise ValueError(f"{key}[{start}:]: produced {got}, the layout says {want}")
-        storage = tensor.untyped_storage()
-        own = storage.resizable() and storage.nbytes() == tensor.nbytes
-        if tensor.device.type != "cpu" or not (own and tensor.is_contiguous()):
-            tensor = tensor.detach().to("cpu", copy=True).contiguous()
         self.previous = tensor
         self.produced.append((key, start))
         return tensor
 
     def release(self) -> None:
-        """Free the storage of the tensor handed out last (it has been written)."""
-        if self.previous is not None:
-            self.previous.untyped_storage().resize_(0)
-            self.previous = None
+        """Drop the tensor handed out last (it has been written, and RawWriter keeps no
+        reference to it): its storage is freed here."""
+        self.previous = None
 
 
 def row_chunks(shape: tuple[int, ...], dtype: torch.dtype, chunk_bytes: int) -> list[int]:
@@ -99,7 +93,7 @@ def write_checkpoint_tensors(
             pieces.append((offsets, torch.empty((b - a, *shape[1:]), dtype=dtype, device="meta")))
         state[key] = ChunkedTensor(tuple(shape), pieces)
     planner = _ProducingPlanner(produce, layout)
-    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1)
+    writer = RawWriter(str(directory))
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.filterwarnings("ignore", "torch.distributed is disabled")

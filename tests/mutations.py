@@ -436,6 +436,46 @@ MUTATIONS = [
         "    step = max(1, 2 * chunk_bytes // max(row, 1))",
         ("tests/test_convert.py::test_the_checkpoint_writer_holds_one_piece_at_a_time",),
     ),
+    Mutation(
+        "a raw checkpoint piece read from its first row, not the first row asked for",
+        "hybrid/checkpoint_raw.py",
+        "            stream.seek(info.offset + first * row)\n",
+        "            stream.seek(info.offset)\n",
+        ("tests/test_checkpoint_raw.py::test_a_resharded_load_reads_rows_and_columns_of_a_piece",),
+    ),
+    Mutation(
+        "a raw checkpoint piece cut to the columns asked for from its first column",
+        "hybrid/checkpoint_raw.py",
+        "                whole = whole.narrow(dim, start, length)\n",
+        "                whole = whole.narrow(dim, 0, length)\n",
+        ("tests/test_checkpoint_raw.py::test_a_resharded_load_reads_rows_and_columns_of_a_piece",),
+    ),
+    Mutation(
+        "the raw writer holds each piece until it has asked for the next",
+        "hybrid/checkpoint_raw.py",
+        "                del data, view  # a produced piece is freed once written\n",
+        "",
+        ("tests/test_convert.py::test_the_checkpoint_writer_holds_one_piece_at_a_time",),
+    ),
+    Mutation(
+        "the raw writer stores each piece as a torch.save zip, as DCP's writer does",
+        "hybrid/checkpoint_raw.py",
+        "                    view, marks = tensor_bytes(data), [RAW]\n",
+        "                    buf = io.BytesIO()\n"
+        "                    torch.save(data, buf)\n"
+        "                    view, marks = buf.getbuffer(), [RAW]\n",
+        ("tests/test_checkpoint_raw.py::test_each_piece_is_its_bytes_and_nothing_else",),
+    ),
+    Mutation(
+        "pruned checkpoints are renamed aside but never deleted",
+        "hybrid/checkpoint_files.py",
+        "        shutil.rmtree(trash, ignore_errors=True)\n",
+        "        pass\n",
+        (
+            "tests/test_checkpoint_keep.py::"
+            "test_only_the_newest_keep_checkpoints_remain_and_resume_uses_the_newest",
+        ),
+    ),
 ]
 
 

@@ -5,6 +5,7 @@ the newest to the losses of a run that never stopped (README, "Checkpoints")."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,14 @@ def _run(overrides: list[str]) -> None:
 
 
 def _listing(root: Path) -> list[str]:
-    """Everything in the checkpoint folder: pruning may leave no temporary folder behind."""
+    """Everything in the checkpoint folder: pruning may leave no temporary folder behind.
+    Pruned checkpoints are renamed `.trash-*` at once and deleted by a thread: given up to
+    10 s to be gone from the disk."""
+    deadline = time.monotonic() + 10
+    while any(p.name.startswith(".trash-") for p in root.iterdir()):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     return sorted(p.name for p in root.iterdir())
 
 

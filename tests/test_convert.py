@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import re
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,25 +265,27 @@ def test_a_checkpoint_without_moments_resumes_at_tp2_dp2_stage3(tmp_path: Path) 
 
 
 def test_the_checkpoint_writer_holds_one_piece_at_a_time(tmp_path: Path) -> None:
-    """When a piece is asked for, every piece handed out before has had its memory freed
-    (checked on the pieces' own storages); the pieces read back as the tensors."""
+    """When a piece is asked for, the memory of every piece handed out before has been
+    freed (each is a numpy array's, which lives while any tensor on it does: weak
+    references to the arrays are dead); the pieces read back as the tensors."""
     full = {
         "model.a": torch.randn(37, 5),
         "model.b": torch.randn(11),
         "exp_avg.a": torch.ones(37, 5),
     }
     layout = [(key, tuple(t.shape), t.dtype) for key, t in full.items()]
-    handed: list[torch.Tensor] = []
+    handed: list[weakref.ref] = []
 
     def produce(key: str, start: int, end: int) -> torch.Tensor:
-        assert all(t.untyped_storage().nbytes() == 0 for t in handed), "a piece is still held"
-        handed.append(full[key][start:end].clone())
-        return handed[-1]
+        assert all(ref() is None for ref in handed), "a piece is still held"
+        memory = full[key][start:end].numpy().copy()
+        handed.append(weakref.ref(memory))
+        return torch.from_numpy(memory)
 
     order = checkpoint_write.write_checkpoint_tensors(tmp_path, layout, produce, 16 * 5 * 4)
     rows = [0, 16, 32]  # 16 rows of 20 bytes a chunk
     expected = [*(("model.a", r) for r in rows), ("model.b", 0), *(("exp_avg.a", r) for r in rows)]
     assert order == expected
-    assert all(t.untyped_storage().nbytes() == 0 for t in handed)
+    assert all(ref() is None for ref in handed)
     back = CheckpointTensors(tmp_path).read(full)
     assert all(torch.equal(back[key], tensor) for key, tensor in full.items())
