@@ -105,8 +105,9 @@ class RawReadMixin:
         return item.type == LoadItemType.TENSOR and bool(marks) and RAW in marks
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        raw = [item for item in plan.items if self._is_raw(item)]
-        rest = [item for item in plan.items if not self._is_raw(item)]
+        raw, rest = [], []
+        for item in plan.items:
+            (raw if self._is_raw(item) else rest).append(item)
         by_file: dict[str, list[ReadItem]] = {}
         for item in raw:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
