@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -72,8 +73,22 @@ class TrainConfig:
 
 
 @dataclass
+class MixtureSource:
+    """One corpus of a mixture: its files (as data.files) and its share of the windows."""
+
+    files: list[str] = field(default_factory=list)
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     files: list[str] = field(default_factory=list)  # .txt/.jsonl/.parquet; [] = bundled corpus
+    # Several corpora, windows drawn from each by weight: [{files: [...], weight: 0.7}, ...]
+    # (replaces `files`; each source has its own token cache and its own val_loss).
+    mixture: list[MixtureSource] = field(default_factory=list)
+    verify: Literal["sample", "full"] = "sample"  # token cache check at start: sampled | all
+    workers: int = 0  # tokenizing processes of the preparation; 0: one per core
+    pack: bool = False  # prompt/completion examples packed several to a sequence
     text_field: str = "text"  # the column read from jsonl and parquet files
     tokenizer: str = "gpt2"  # gpt2 | bpe (trained on the corpus) | a Hugging Face tokenizer folder
     bpe_vocab_size: int = 2048  # vocabulary of the `bpe` tokenizer
@@ -271,8 +286,12 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
         allowed = "|".join(str(a) for a in args)
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of {allowed}")
     if origin is list:
+        if isinstance(value, str) and dataclasses.is_dataclass(args[0]):
+            value = yaml.safe_load(value)  # data.mixture='[{files: [a.txt], weight: 1}]'
         items = value if isinstance(value, list) else [value]
-        return [_coerce(key, item, args[0]) for item in items]
+        return [_coerce(f"{key}[{i}]", item, args[0]) for i, item in enumerate(items)]
+    if dataclasses.is_dataclass(kind):
+        return _build(kind, value, f"{key}.")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -366,6 +385,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} exceeds train.lr={t.lr}; lower min_lr")
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    if d.workers < 0:
+        raise ConfigError(f"data.workers={d.workers} must be 0 (one per core) or positive")
+    _check_mixture(d)
     if m.n_head % p.tp:
         raise ConfigError(
             f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}; "
@@ -404,6 +426,20 @@ def validate(config: Config) -> None:
         raise ConfigError(f"model.{error} (parallel.tp={p.tp})") from None
 
 
+def _check_mixture(d: DataConfig) -> None:
+    """Bad mixtures, before anything starts: each source needs files and a weight >= 0,
+    and the weights a positive sum."""
+    if d.mixture and d.files:
+        raise ConfigError("data.files and data.mixture are both set; put the files in a source")
+    for i, source in enumerate(d.mixture):
+        if not source.files:
+            raise ConfigError(f"data.mixture[{i}] names no files; give it files: [...]")
+        if not math.isfinite(source.weight) or source.weight < 0:
+            raise ConfigError(f"data.mixture[{i}].weight={source.weight} must be >= 0")
+    if d.mixture and sum(source.weight for source in d.mixture) <= 0:
+        raise ConfigError("data.mixture's weights sum to zero; give some source a weight > 0")
+
+
 def validate_layout(config: Config, world_size: int) -> int:
     """Checks against the job's size; returns the data-parallel degree. Run before any
     process group exists so a bad layout fails fast on every rank alike."""
@@ -427,5 +463,10 @@ def to_dict(config: Any) -> dict[str, Any]:
     tree = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        tree[_key(f)] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+        if dataclasses.is_dataclass(value):
+            tree[_key(f)] = to_dict(value)
+        elif isinstance(value, list):
+            tree[_key(f)] = [to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
+        else:
+            tree[_key(f)] = copy.deepcopy(value)
     return tree

@@ -17,7 +17,9 @@ from hybrid.comm import Group
 from hybrid.engine import Engine
 from models.gpt import IGNORE_INDEX
 
-Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+# A window of tokens; or supervised (inputs, targets); or packed examples' (inputs,
+# targets, segments), segments naming each token's example (launch.data.examples).
+Batch = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 def split_batch(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,10 +27,18 @@ def split_batch(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch
     inputs and the same tokens shifted by one; supervised examples come already split,
     with IGNORE_INDEX targets where no loss is taken."""
     if isinstance(batch, tuple):
-        inputs, targets = batch
+        inputs, targets = batch[:2]
     else:
         inputs, targets = batch[:, :-1], batch[:, 1:]
     return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
+
+def model_options(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments beyond (inputs, targets): packed examples' segment
+    ids; nothing for other batches, whose forward is unchanged."""
+    if isinstance(batch, tuple) and len(batch) == 3:
+        return {"segments": batch[2].to(device, non_blocking=True)}
+    return {}
 
 
 def train_step(
@@ -46,14 +56,15 @@ def train_step(
     Returns (mean loss over the global batch, gradient norm before clipping, skipped).
     """
     pairs = [split_batch(batch, device) for batch in micro_batches]
+    options = [model_options(batch, device) for batch in micro_batches]
     loss_tokens = None
     if isinstance(micro_batches[0], tuple):
         count = sum((y != IGNORE_INDEX).sum() for _, y in pairs).to(torch.float64)
         engine.dp.all_reduce(count)
         loss_tokens = (count.clamp(min=1) / (len(pairs) * engine.dp.size)).float()
     loss_sum = torch.zeros((), device=device)
-    for inputs, targets in pairs:
-        loss = engine(inputs, targets, loss_tokens)
+    for (inputs, targets), extra in zip(pairs, options, strict=True):
+        loss = engine(inputs, targets, loss_tokens, **extra)
         engine.backward(loss)
         loss_sum += loss.detach().float() / len(pairs)
     stats = engine.step(lr)
@@ -71,7 +82,8 @@ def evaluate(engine: Engine, batches: list[Batch], dp_group: Group, device: torc
     for batch in batches:
         inputs, targets = split_batch(batch, device)
         tokens = (targets != IGNORE_INDEX).sum().double()
-        totals += torch.stack([engine(inputs, targets).double() * tokens, tokens])
+        loss = engine(inputs, targets, **model_options(batch, device)).double()
+        totals += torch.stack([loss * tokens, tokens])
     dp_group.all_reduce(totals)
     model.train(was_training)
     return float(totals[0] / totals[1].clamp(min=1))

@@ -18,7 +18,7 @@ import yaml
 from transformers import PreTrainedTokenizerBase
 
 from hybrid.checkpoint_writer import CheckpointWriter
-from hybrid.distributed import DistributedEnv, barrier
+from hybrid.distributed import DistributedEnv
 from hybrid.engine import Engine, EngineConfig
 from hybrid.full_state import full_tensor_layout, write_safetensors
 from hybrid.recompute import Recompute, RecomputePolicy
@@ -31,8 +31,10 @@ from models.gpt.hf_files import open_hf_weights
 from .checkpointing import restore
 from .checkpointing import save as save_checkpoint
 from .config import Config, ConfigError, to_dict
-from .data import DistributedBatches, TokenWindows, eval_batches, load_tokenizer, prepare_data
+from .data import DistributedBatches, TokenWindows, load_tokenizer, prepare_data
 from .data.examples import is_prompt_completion, read_examples
+from .data.mixture import load_mixture, validation_sets
+from .data.prepare_wait import DataPhase
 from .data.sampler import Samples
 from .data.token_file import resolve_files
 from .memory_check import planned_peak_bytes
@@ -45,8 +47,9 @@ from .trainer import eval_steps, evaluate, train_step
 
 @dataclass
 class RunData:
-    """What a run trains and validates on: packed token windows, or prompt/completion
-    examples (launch.data.examples) when the files are jsonl of that shape."""
+    """What a run trains and validates on: packed token windows, prompt/completion
+    examples (launch.data.examples) when the files are jsonl of that shape, or a mixture
+    of corpora (launch.data.mixture.MixtureWindows, train and val: one val set a source)."""
 
     tokenizer: PreTrainedTokenizerBase
     train: Samples
@@ -55,29 +58,51 @@ class RunData:
 
 
 def load_data(config: Config, env: DistributedEnv, window: int) -> RunData:
-    """One rank per node tokenizes into the cache; the others wait, then read it."""
-    if env.local_rank != 0:
-        barrier(env)
+    """One rank per node prepares the cache (tokenizing it when missing); the others wait
+    for it without a collective, so preparation may take longer than the process group's
+    timeout (launch.data.prepare_wait); then every rank reads it."""
+    phase = DataPhase(env)
+    if not phase.first:
+        phase.wait_for_node()
     try:
         paths = resolve_files(config.data.files)
-        if is_prompt_completion(paths):
+        if config.data.mixture:  # several corpora by weight, each its own cache
+            tokenizer, train, val, description = load_mixture(
+                config.data,
+                window,
+                lambda source: prepare_data(
+                    source, phase.verify, progress=None if phase.first else False
+                ),
+            )
+        elif is_prompt_completion(paths):
             tokenizer = load_tokenizer(config.data, paths)
-            examples = read_examples(paths, tokenizer, window)
-            train, val = examples.split(config.data.val_fraction)
+            examples = read_examples(paths, tokenizer, window, config.data.cache_dir)
+            train, val = examples.split(config.data.val_fraction, packed=config.data.pack)
             description = f"{len(train):,} train / {len(val):,} val prompt/completion examples"
+            if config.data.pack:
+                description = (
+                    f"{len(examples):,} prompt/completion examples packed into {len(train):,} "
+                    f"train / {len(val):,} val sequences of {window} tokens"
+                )
             if examples.dropped:
                 description += f" ({examples.dropped} dropped: prompt fills train.seq_len)"
         else:
-            data = prepare_data(config.data)
+            data = prepare_data(config.data, phase.verify, progress=None if phase.first else False)
             tokenizer = data.tokenizer
             train = TokenWindows(data.train_tokens, window)
             val = TokenWindows(data.val_tokens, window)
             description = f"{len(data.train_tokens):,} train tokens"
     except ValueError as error:  # the same files on every rank: every rank raises alike
+        if phase.first:
+            phase.node_done(error=str(error))
         raise ConfigError(str(error)) from None
-    finally:
-        if env.local_rank == 0:
-            barrier(env)
+    except BaseException as error:  # anything else: the waiting ranks must not hang
+        if phase.first:
+            phase.node_done(error=f"local rank 0 failed preparing the data: {error!r}")
+        raise
+    if phase.first:
+        phase.node_done()
+    phase.wait_for_all()
     return RunData(tokenizer, train, val, description)
 
 
@@ -174,7 +199,7 @@ def train(
         topology.dp,
         start_sample=consumed_samples,
     )
-    val_set = eval_batches(
+    val_set = validation_sets(
         data.val,
         t.eval_batches * t.global_batch_size,
         t.micro_batch_size,
@@ -262,7 +287,7 @@ def _loop(
     engine: Engine,
     config: Config,
     batches: DistributedBatches,
-    val_set: list[Any],
+    val_set: list[tuple[str, float, list[Any]]],
     topology: Topology,
     tp: TensorParallel,
     tracker: Tracker | None,
@@ -307,7 +332,7 @@ def _loop(
         if skipped:
             metrics["skipped"] = True  # no update (fp16: and a lower loss scale)
         if step + 1 in evaluate_after:
-            metrics["val_loss"] = evaluate(engine, val_set, topology.dp_group, env.device)
+            metrics |= val_losses(engine, val_set, topology, env.device)
         # After evaluation, so the line's peak covers it. The loss is reduced over DP only
         # (a SUM), so the largest rank's peak takes its own MAX over the world.
         metrics["peak_mem_bytes"] = memory.max_over_ranks()
@@ -325,6 +350,25 @@ def _loop(
         if preempted:
             return False
     return True
+
+
+def val_losses(
+    engine: Engine,
+    val_sets: list[tuple[str, float, list[Any]]],
+    topology: Topology,
+    device: torch.device,
+) -> dict[str, float]:
+    """Each validation set's loss under its metrics key. A mixture's `val_loss` is the
+    sources' losses weighed by their shares: the loss on the mixed distribution, with no
+    second pass over the data."""
+    losses = {
+        key: evaluate(engine, batches, topology.dp_group, device) for key, _, batches in val_sets
+    }
+    if "val_loss" not in losses:
+        total = sum(weight for _, weight, _ in val_sets)
+        overall = sum(weight * losses[key] for key, weight, _ in val_sets) / total
+        losses = {"val_loss": overall} | losses
+    return losses
 
 
 def write_final_weights(

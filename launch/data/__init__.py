@@ -9,16 +9,24 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..config import DataConfig
+from .prepare import resolve_workers
 from .sampler import DistributedBatches, TokenWindows, eval_batches
-from .token_file import build_token_file, corpus_fingerprint, iter_documents, resolve_files
+from .shards import TokenShards
+from .token_file import (
+    Verify,
+    build_token_file,
+    corpus_fingerprint,
+    iter_documents,
+    resolve_files,
+)
 from .tokenizers import gpt2_tokenizer, load_tokenizer_folder, train_bpe_tokenizer
 
 
 @dataclass
 class PreparedData:
     tokenizer: PreTrainedTokenizerBase
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: np.ndarray | TokenShards  # either reads as a 1-D token array
+    val_tokens: np.ndarray | TokenShards
 
 
 def load_tokenizer(config: DataConfig, paths: list[Path] | None = None) -> PreTrainedTokenizerBase:
@@ -36,16 +44,29 @@ def load_tokenizer(config: DataConfig, paths: list[Path] | None = None) -> PreTr
     return load_tokenizer_folder(config.tokenizer)
 
 
-def prepare_data(config: DataConfig) -> PreparedData:
+def prepare_data(
+    config: DataConfig, verify: Verify | None = None, progress: bool | None = False
+) -> PreparedData:
     """Tokenize (or reuse the cache) and split: the last `val_fraction` of tokens validate.
 
-    Idempotent and cached: in a job, one rank per node runs it first, the others after a
-    barrier, and find everything in the cache.
+    Idempotent and cached: in a job, one rank per node runs it first (checking the cache
+    as `data.verify` says, or preparing it with `data.workers` processes), the others
+    after it, with `verify="none"`, and find everything in the cache.
     """
     paths = resolve_files(config.files)
     cache_dir = Path(config.cache_dir).expanduser()
     tokenizer = load_tokenizer(config, paths)
-    tokens = build_token_file(paths, tokenizer, config.text_field, cache_dir).open()
+    if paths[0].is_dir():  # pre-tokenized shards: read in place; every id checked once
+        verify = verify or config.verify
+        stamps = None if verify == "full" else cache_dir  # full: scan at every start
+        tokens = TokenShards(paths[0], len(tokenizer), verify != "none", stamps)
+        n_train = int(len(tokens) * (1.0 - config.val_fraction))
+        return PreparedData(tokenizer, tokens[:n_train], tokens[n_train:])
+    workers = resolve_workers(config.workers, paths)
+    token_file = build_token_file(
+        paths, tokenizer, config.text_field, cache_dir, verify or config.verify, workers, progress
+    )
+    tokens = token_file.open()
     n_train = int(len(tokens) * (1.0 - config.val_fraction))
     return PreparedData(tokenizer, tokens[:n_train], tokens[n_train:])
 

@@ -3,21 +3,38 @@ on the completion only.
 
     {"prompt": "Translate to French: cheese", "completion": " fromage"}
 
-Each record becomes one sequence: the prompt's tokens (with the special tokens the
+Each record becomes one example: the prompt's tokens (with the special tokens the
 tokenizer adds, such as a beginning-of-sequence token), the completion's, then the
 end-of-text token, so the model learns where to stop. Targets are the same tokens shifted
 by one, with IGNORE_INDEX wherever the token to predict is part of the prompt or padding.
-A sequence longer than the window is cut at its end; a record whose prompt fills the whole
+An example longer than the window is cut at its end; a record whose prompt fills the whole
 window has nothing to learn from and is dropped (counted in `dropped`).
 
-Records are not packed together: attention would otherwise cross from one example into
-the next. The set is small enough to tokenize into memory once per run.
+The records are tokenized once, streaming, into the cache (`<cache_dir>/examples/<key>/`):
+every example's tokens end to end (uint16, or uint32 for vocabularies over 65,536), the
+start offset of each example (int64) and its prompt length (int32, where the loss starts).
+They are opened as memory maps, so a rank holds only the batches it reads, whatever the
+number of examples. The key hashes each file's size, modification time and a sampled
+content hash, the tokenizer, the window and the format version.
+
+Unpacked (the default), each example is one row padded to the window. With `data.pack`,
+consecutive examples share a row (PackedExamples) and carry segment ids, from which the
+model builds a block-diagonal causal mask and positions that restart at every example
+(models.gpt.attention.document_mask): no example attends to another, and the loss on
+every completion token equals the unpacked one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +44,12 @@ from transformers import PreTrainedTokenizerBase
 from models.gpt import IGNORE_INDEX
 
 from .jsonl import read_jsonl
+from .tokenizers import tokenizer_fingerprint
 
 PROMPT, COMPLETION = "prompt", "completion"
+FORMAT_VERSION = "examples-v1"
+_SAMPLE_BYTES, _SAMPLES = 1 << 16, 8  # the sampled content hash: 8 blocks of 64 KiB
+_BATCH = 1024  # records tokenized at a time: bounds the build's memory
 
 
 def is_prompt_completion(paths: list[Path]) -> bool:
@@ -42,26 +63,50 @@ def is_prompt_completion(paths: list[Path]) -> bool:
     return False
 
 
-@dataclass
 class Examples:
-    """Padded sequences of `window + 1` tokens and their loss labels (IGNORE_INDEX where
-    no loss is taken), one row per record."""
+    """Examples [first, last) of a cached set, one padded row of `window` inputs and
+    targets each (IGNORE_INDEX where no loss is taken)."""
 
-    tokens: np.ndarray  # (n, window + 1) int64
-    labels: np.ndarray  # (n, window + 1) int64
-    dropped: int = 0
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        prompt: np.ndarray,
+        window: int,
+        pad: int,
+        dropped: int = 0,
+        folder: Path | None = None,
+    ) -> None:
+        self.tokens, self.offsets, self.prompt = tokens, offsets, prompt  # memory maps
+        self.window, self.pad, self.dropped, self.folder = window, pad, dropped, folder
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.prompt)
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Example i's inputs and targets (its tokens but the last, and shifted by one
+        with the prompt's targets ignored), at most `window` each."""
+        sequence = np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
+        targets = sequence[1:].copy()
+        targets[: max(int(self.prompt[i]) - 1, 0)] = IGNORE_INDEX
+        return sequence[:-1], targets
 
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (len(ids), window): targets are labels shifted by one."""
+        """(inputs, targets), each (len(ids), window), padded after each example."""
         ids = np.asarray(ids, dtype=np.int64)
-        inputs = torch.from_numpy(self.tokens[ids, :-1].copy())
-        return inputs, torch.from_numpy(self.labels[ids, 1:].copy())
+        inputs = np.full((len(ids), self.window), self.pad, dtype=np.int64)
+        targets = np.full((len(ids), self.window), IGNORE_INDEX, dtype=np.int64)
+        for row, i in enumerate(ids):
+            x, y = self.pair(int(i))
+            inputs[row, : len(x)], targets[row, : len(y)] = x, y
+        return torch.from_numpy(inputs), torch.from_numpy(targets)
 
-    def split(self, val_fraction: float) -> tuple[Examples, Examples]:
-        """The last `val_fraction` of the records (at least one) validate."""
+    def split(
+        self, val_fraction: float, packed: bool = False
+    ) -> tuple[Examples, Examples] | tuple[PackedExamples, PackedExamples]:
+        """The last `val_fraction` of the records (at least one) validate; with `packed`,
+        each part is packed on its own (PackedExamples), so the same examples validate
+        either way."""
         n_val = max(1, round(len(self) * val_fraction))
         if len(self) - n_val < 1:
             raise ValueError(
@@ -69,43 +114,238 @@ class Examples:
                 "and a validation set; add records or lower data.val_fraction"
             )
         cut = len(self) - n_val
-        return (
-            Examples(self.tokens[:cut], self.labels[:cut], self.dropped),
-            Examples(self.tokens[cut:], self.labels[cut:]),
-        )
+        train, val = self._part(0, cut, self.dropped), self._part(cut, len(self), 0)
+        if packed:
+            return PackedExamples(train, f"0-{cut}"), PackedExamples(val, f"{cut}-{len(self)}")
+        return train, val
+
+    def _part(self, first: int, last: int, dropped: int) -> Examples:
+        # offsets index the whole token file, so a part keeps the tokens and slices the rest
+        offsets, prompt = self.offsets[first : last + 1], self.prompt[first:last]
+        return Examples(self.tokens, offsets, prompt, self.window, self.pad, dropped, self.folder)
 
 
-def read_examples(paths: list[Path], tokenizer: PreTrainedTokenizerBase, window: int) -> Examples:
-    """Tokenize every record of `paths` into sequences of at most `window + 1` tokens."""
+class PackedExamples:
+    """Consecutive examples packed into rows of `window` tokens, in order ("next fit": a
+    row takes examples until the next would not fit), so the rows depend only on the data
+    and the window. A batch is (inputs, targets, segments): segment k of a row is its k-th
+    example, the padding after the last one a segment of its own (it attends only to
+    itself and takes no loss). The row starts are cached next to the examples."""
+
+    def __init__(self, examples: Examples, part: str) -> None:
+        self.examples = examples
+        lengths = np.diff(examples.offsets) - 1  # inputs per example: its tokens but the last
+        if examples.folder is None:
+            self.starts = np.concatenate([*_next_fit(lengths, examples.window), [len(examples)]])
+        else:
+            self.starts = _cached_starts(examples.folder / f"pack-{part}.bin", lengths, examples)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def dropped(self) -> int:
+        return self.examples.dropped
+
+    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(inputs, targets, segments), each (len(ids), window)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        window = self.examples.window
+        inputs = np.full((len(ids), window), self.examples.pad, dtype=np.int64)
+        targets = np.full((len(ids), window), IGNORE_INDEX, dtype=np.int64)
+        segments = np.empty((len(ids), window), dtype=np.int64)
+        for row, b in enumerate(ids):
+            end, members = 0, range(int(self.starts[b]), int(self.starts[b + 1]))
+            for segment, i in enumerate(members):
+                x, y = self.examples.pair(i)
+                inputs[row, end : end + len(x)], targets[row, end : end + len(y)] = x, y
+                segments[row, end : end + len(x)] = segment
+                end += len(x)
+            segments[row, end:] = len(members)
+        return torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(segments)
+
+
+def read_examples(
+    paths: list[Path],
+    tokenizer: PreTrainedTokenizerBase,
+    window: int,
+    cache_dir: Path | str | None = None,
+) -> Examples:
+    """The examples of every record of `paths`, each at most `window + 1` tokens, from the
+    cache under `cache_dir` (tokenized into it first if absent). Without `cache_dir` they
+    are tokenized into a private folder removed at once (the open memory maps stay valid)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no end-of-text token to end each completion with")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompts, completions = [], []
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory() as folder:
+            examples = _open(_build(Path(folder) / "set", paths, tokenizer, window), window, pad)
+            examples.folder = None
+            return examples
+    key = hashlib.sha256(
+        f"{FORMAT_VERSION}|{window}|{eos}|{tokenizer_fingerprint(tokenizer)}".encode()
+    )
+    for path in paths:
+        key.update(_file_key(path).encode())
+    folder = Path(cache_dir).expanduser() / "examples" / key.hexdigest()[:20]
+    problem = _check(folder)
+    if problem is not None:
+        if folder.exists():
+            message = f"example cache {folder} is corrupt: {problem}; rebuilding it"
+            warnings.warn(message, stacklevel=2)
+            shutil.rmtree(folder, ignore_errors=True)
+        _build(folder, paths, tokenizer, window)
+    return _open(folder, window, pad)
+
+
+def _file_key(path: Path) -> str:
+    """Size, modification time and a hash of 8 evenly spread 64 KiB blocks: a start costs
+    at most 512 KiB of reading per file, however large, and an edit that keeps the size
+    and the time (rare) still changes the key when it touches a sampled block."""
+    stat = path.stat()
+    digest = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}".encode())
+    with open(path, "rb") as f:
+        for k in range(_SAMPLES):
+            f.seek(max(stat.st_size - _SAMPLE_BYTES, 0) * k // (_SAMPLES - 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def _build(
+    folder: Path, paths: list[Path], tokenizer: PreTrainedTokenizerBase, window: int
+) -> Path:
+    """Tokenize the records `_BATCH` at a time, appending to the files of a temporary
+    folder renamed to `folder` once complete: a crash leaves no half-built cache."""
+    eos = tokenizer.eos_token_id
+    dtype = np.dtype(np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32)
+    tmp = folder.with_name(f"{folder.name}.{_writer()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    n_records = n_kept = n_tokens = 0
+    try:
+        with (
+            open(tmp / "tokens.bin", "wb") as tokens,
+            open(tmp / "offsets.bin", "wb") as offsets,
+            open(tmp / "prompt.bin", "wb") as prompts,
+        ):
+            offsets.write(np.zeros(1, np.int64).tobytes())
+            for batch in _record_batches(paths):
+                prompt_ids = tokenizer([r[PROMPT] for r in batch])["input_ids"]
+                completion_ids = tokenizer([r[COMPLETION] for r in batch], add_special_tokens=False)
+                kept, prompt_lengths = [], []
+                for prompt, completion in zip(prompt_ids, completion_ids["input_ids"], strict=True):
+                    sequence = (prompt + completion + [eos])[: window + 1]
+                    if len(prompt) < len(sequence):  # else no completion token fits
+                        kept.append(sequence)
+                        prompt_lengths.append(len(prompt))
+                n_records += len(batch)
+                lengths = np.fromiter(map(len, kept), np.int64, len(kept))
+                tokens.write(np.fromiter(chain.from_iterable(kept), dtype).tobytes())
+                offsets.write((n_tokens + np.cumsum(lengths)).tobytes())
+                prompts.write(np.asarray(prompt_lengths, np.int32).tobytes())
+                n_kept, n_tokens = n_kept + len(kept), n_tokens + int(lengths.sum())
+        if n_records == 0:
+            raise ValueError(f"{', '.join(map(str, paths))} hold no prompt/completion records")
+        if n_kept == 0:
+            raise ValueError(
+                f"every prompt is at least train.seq_len={window} tokens long, so no "
+                "completion token fits; raise train.seq_len or shorten the prompts"
+            )
+        meta = {
+            "format": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "n_examples": n_kept,
+            "n_tokens": n_tokens,
+            "dropped": n_records - n_kept,
+            "files": [str(p) for p in paths],
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process finished the same cache first: keep its copy
+            if _check(folder) is not None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _check(folder: Path) -> str | None:
+    """What is wrong with the cached set in `folder` (None when it is whole): its meta and
+    the size of each file. Its content is derived data, so a bad set is rebuilt."""
+    if not (folder / "meta.json").is_file():
+        return "meta.json is missing"
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        n, itemsize = int(meta["n_examples"]), np.dtype(meta["dtype"]).itemsize
+        if meta["format"] != FORMAT_VERSION:
+            return f"format {meta['format']} is not {FORMAT_VERSION}"
+        sizes = {
+            "tokens.bin": int(meta["n_tokens"]) * itemsize,
+            "offsets.bin": (n + 1) * 8,
+            "prompt.bin": n * 4,
+        }
+    except (ValueError, KeyError, TypeError) as error:
+        return f"meta.json is unreadable ({error})"
+    for name, size in sizes.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            return f"{name} is missing or not {size} bytes"
+    return None
+
+
+def _open(folder: Path, window: int, pad: int) -> Examples:
+    meta = json.loads((folder / "meta.json").read_text())
+    n, dtype = int(meta["n_examples"]), np.dtype(meta["dtype"])
+    tokens = np.memmap(folder / "tokens.bin", dtype, "r", shape=(int(meta["n_tokens"]),))
+    offsets = np.memmap(folder / "offsets.bin", np.int64, "r", shape=(n + 1,))
+    prompt = np.memmap(folder / "prompt.bin", np.int32, "r", shape=(n,))
+    return Examples(tokens, offsets, prompt, window, pad, int(meta["dropped"]), folder)
+
+
+def _next_fit(lengths: np.ndarray, window: int, chunk: int = 1 << 20) -> Iterator[np.ndarray]:
+    """The first example of each packed row, a chunk of rows at a time (every length is at
+    most `window`: examples are cut to the window when tokenized)."""
+    used = window + 1  # the first example opens a row
+    for begin in range(0, len(lengths), chunk):
+        starts = []
+        for i, length in enumerate(np.asarray(lengths[begin : begin + chunk]).tolist(), begin):
+            if used + length > window:
+                starts.append(i)
+                used = 0
+            used += length
+        yield np.asarray(starts, dtype=np.int64)
+
+
+def _cached_starts(path: Path, lengths: np.ndarray, examples: Examples) -> np.ndarray:
+    """The row starts of a packed part, written once next to the examples and memory
+    mapped (their number grows with the data, like the offsets)."""
+    if not path.is_file():  # written whole, then renamed: present means complete
+        tmp = path.with_name(f"{path.name}.{_writer()}")
+        with open(tmp, "wb") as f:
+            for starts in _next_fit(lengths, examples.window):
+                f.write(starts.tobytes())
+            f.write(np.asarray([len(examples)], np.int64).tobytes())
+        tmp.replace(path)
+    return np.memmap(path, np.int64, "r")
+
+
+def _writer() -> str:
+    """A temporary name's suffix unique to this process, on any node of a shared folder."""
+    return f"tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _record_batches(paths: list[Path]) -> Iterator[list[dict[str, str]]]:
+    batch: list[dict[str, str]] = []
     for path in paths:
         for _, record in _records(path, check=True):
-            prompts.append(record[PROMPT])
-            completions.append(record[COMPLETION])
-    if not prompts:
-        raise ValueError(f"{', '.join(map(str, paths))} hold no prompt/completion records")
-    prompt_ids = tokenizer(prompts)["input_ids"]
-    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
-    tokens = np.full((len(prompts), window + 1), pad, dtype=np.int64)
-    labels = np.full((len(prompts), window + 1), IGNORE_INDEX, dtype=np.int64)
-    kept = 0
-    for prompt, completion in zip(prompt_ids, completion_ids, strict=True):
-        sequence = (prompt + completion + [eos])[: window + 1]
-        if len(prompt) >= len(sequence):
-            continue  # the prompt fills the window: no completion token left to learn
-        tokens[kept, : len(sequence)] = sequence
-        labels[kept, len(prompt) : len(sequence)] = sequence[len(prompt) :]
-        kept += 1
-    if kept == 0:
-        raise ValueError(
-            f"every prompt is at least train.seq_len={window} tokens long, so no completion "
-            "token fits; raise train.seq_len or shorten the prompts"
-        )
-    return Examples(tokens[:kept], labels[:kept], dropped=len(prompts) - kept)
+            batch.append(record)  # type: ignore[arg-type]  # checked: prompt and completion
+            if len(batch) == _BATCH:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
 
 
 def _records(path: Path, check: bool) -> Iterator[tuple[int, object]]:

@@ -6,6 +6,10 @@ targets shifted by one). Each epoch visits every window once in an order drawn f
 windows all ranks together have consumed. It does not depend on the layout, so a run can
 resume from it at any dp.
 
+The order is a keyed bijection of the window ids computed on the fly (a Feistel network,
+FeistelPermutation), never a stored permutation: memory stays O(batch) whether the corpus
+holds a thousand windows or a billion (10^12 tokens in windows of 1024).
+
 Step t uses global samples [t*G, (t+1)*G) for a global batch G. Data-parallel rank r
 takes the r-th contiguous G/dp of them and cuts those into micro-batches; a single process
 (dp = 1) sees exactly the union of what the ranks see, in the same order.
@@ -13,10 +17,14 @@ takes the r-th contiguous G/dp of them and cuts those into micro-batches; a sing
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+ROUNDS = 6  # Luby-Rackoff: 4 rounds of a good round function already give a random-looking order
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 class Samples(Protocol):
@@ -25,6 +33,12 @@ class Samples(Protocol):
     def __len__(self) -> int: ...
 
     def batch(self, ids: np.ndarray) -> Any: ...
+
+
+class IndexSampler(Protocol):
+    """Global sample index -> sample id, what DistributedBatches walks."""
+
+    def window_ids(self, start: int, count: int) -> np.ndarray: ...
 
 
 class TokenWindows:
@@ -49,22 +63,80 @@ class TokenWindows:
         return torch.from_numpy(np.stack(rows))
 
 
-class ShuffledSampler:
-    """Global sample index -> window id: a fresh permutation per epoch, drawn from the seed."""
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijective 64-bit hash (numpy's uint64 arithmetic wraps)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
 
-    def __init__(self, n_windows: int, seed: int) -> None:
-        self.n, self.seed = n_windows, seed
-        self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+class FeistelPermutation:
+    """A keyed bijection of [0, n), evaluated for an array of positions at a time.
+
+    A balanced Feistel network on the 2h bits of the smallest power of four >= n is a
+    permutation of that larger domain whatever its round function; cycle-walking (apply
+    it again while the result is >= n) restricts it to a permutation of [0, n). The domain
+    is under 4n, so a position needs fewer than 4 passes on average.
+    """
+
+    def __init__(self, n: int, key: Sequence[int]) -> None:
+        if n < 1:
+            raise ValueError(f"cannot permute {n} items")
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        self.keys = np.random.SeedSequence(list(key)).generate_state(ROUNDS, dtype=np.uint64)
+
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+        return (left << self.half) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The images of `positions` (each in [0, n)) as int64."""
+        out = self._rounds(np.asarray(positions, dtype=np.uint64))
+        outside = np.flatnonzero(out >= self.n)
+        while outside.size:
+            out[outside] = self._rounds(out[outside])
+            outside = outside[out[outside] >= self.n]
+        return out.astype(np.int64)
+
+
+class ShuffledSampler:
+    """Global sample index -> window id: a fresh permutation per epoch, keyed by
+    (seed, stream, epoch). `stream` tells apart samplers that share a seed (the sources of
+    a mixture)."""
+
+    def __init__(self, n_windows: int, seed: int, stream: int = 0) -> None:
+        self.n, self.seed, self.stream = n_windows, seed, stream
+        self._epoch, self._order = -1, None
 
     def window_ids(self, start: int, count: int) -> np.ndarray:
-        out = np.empty(count, dtype=np.int64)
-        for i, index in enumerate(range(start, start + count)):
-            epoch, position = divmod(index, self.n)
-            if epoch != self._epoch:
-                self._epoch = epoch
-                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-            out[i] = self._order[position]
+        return self.ids_at(np.arange(start, start + count, dtype=np.int64))
+
+    def ids_at(self, index: np.ndarray) -> np.ndarray:
+        """The window ids of the given global sample indices (any order, any epochs)."""
+        epoch, position = np.divmod(np.asarray(index, dtype=np.int64), self.n)
+        out = np.empty(len(position), dtype=np.int64)
+        for e in np.unique(epoch):  # one or two epochs per batch, unless the data is tiny
+            chosen = epoch == e
+            out[chosen] = self._permutation(int(e))(position[chosen])
         return out
+
+    def _permutation(self, epoch: int) -> FeistelPermutation:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = FeistelPermutation(self.n, (self.seed, self.stream, epoch))
+        return self._order
+
+
+def sampler_for(windows: Samples, seed: int) -> IndexSampler:
+    """The windows' own sampler when they bring one (a mixture: launch.data.mixture), else
+    a shuffle of their ids."""
+    own = getattr(windows, "sampler", None)
+    return own(seed) if own is not None else ShuffledSampler(len(windows), seed)
 
 
 class DistributedBatches:
@@ -86,7 +158,7 @@ class DistributedBatches:
                 f"micro batch x dp = {micro_batch_size} x {dp_size}"
             )
         self.windows = windows
-        self.sampler = ShuffledSampler(len(windows), seed)
+        self.sampler = sampler_for(windows, seed)
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = start_sample  # the global sample index; save it to resume

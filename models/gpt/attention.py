@@ -42,7 +42,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(config.d_model, qkv_features, tp, bias=config.bias)
         self.proj = RowParallelLinear(attn_features, config.d_model, tp, bias=config.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (s, b, features). Packed sequences (several documents in a row) come with
+        `mask` (b, 1, s, s), True where a query may attend to a key (document_mask), and
+        `positions` (b, s), each document's own positions from 0 (segment_positions)."""
         g = self.group
         parts = rearrange(self.qkv(x), "s b (kv p d) -> p b kv s d", kv=self.local_kv, p=g + 2)
         # One split, not three indexings: its backward is one concatenation, where each
@@ -53,13 +61,18 @@ class CausalSelfAttention(nn.Module):
         if self.rope_theta is not None:
             # The QKV projection gathered the sequence (under sequence parallelism too), so
             # q and k hold the whole sequence: positions 0 .. s-1.
-            cos, sin = rotary_cos_sin(q.shape[-2], q.shape[-1], self.rope_theta, q.device)
+            cos, sin = rotary_cos_sin(
+                q.shape[-2], q.shape[-1], self.rope_theta, q.device, positions
+            )
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = maybe_recompute(self.recompute_core, self._core, q, k, v, rng=self.tp.rng)
+        y = maybe_recompute(self.recompute_core, self._core, q, k, v, mask, rng=self.tp.rng)
         return self.proj(rearrange(y, "b h s d -> s b (h d)"))
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (b, heads, s, d), k and v (b, kv_heads, s, d) -> (b, heads, s, d).
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q (b, heads, s, d), k and v (b, kv_heads, s, d) -> (b, heads, s, d); `mask`
+        (b, 1, s, s) or None (plain causal).
 
         Without dropout: the fused kernel (flash attention where available), which keeps no
         s x s tensor. With dropout: the explicit form, which keeps exactly the paper's
@@ -69,22 +82,58 @@ class CausalSelfAttention(nn.Module):
         """
         if not (self.training and self.dropout > 0):
             gqa = {"enable_gqa": True} if self.group > 1 else {}
+            if mask is not None:  # the explicit mask is causal already
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         seq = q.shape[-2]
         q = q.unflatten(1, (-1, self.group))  # (b, kv, g, s, d): broadcast k, v over g
         k, v = k.unsqueeze(2), v.unsqueeze(2)
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
-        probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        if mask is None:
+            hidden = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu_(1)
+        else:
+            hidden = ~mask.unsqueeze(2)  # (b, 1, 1, s, s) against scores (b, kv, g, s, s)
+        probs = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
         with self.tp.split_region_rng():
             probs = dropout(probs, self.dropout, self.training)
         return torch.matmul(probs, v).flatten(1, 2)
 
 
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(b, 1, s, s) boolean attention mask of packed sequences: query i attends to key j
+    when j <= i and both belong to the same document (segment id), so each document of a
+    row sees only itself, block-diagonal and causal.
+
+    Cost: b*s*s bytes and SDPA's masked kernel (no flash path on CPU), where plain causal
+    attention keeps no s x s tensor. The scalable path is a varlen / document-aware kernel
+    (flash-attention's cu_seqlens, or FlexAttention's block mask), which skips the
+    masked-out blocks instead of computing them.
+    """
+    seq = segments.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril_()
+    same = segments[:, :, None] == segments[:, None, :]
+    return (same & causal).unsqueeze(1)
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """(b, s) positions that restart at 0 where the segment id changes, so a packed
+    document gets the positions it would have alone (learned and rotary alike)."""
+    index = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
 def rotary_cos_sin(
-    seq: int, head_dim: int, theta: float, device: torch.device
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position x frequency, (seq, head_dim), in fp32.
+    """cos and sin of position x frequency, (seq, head_dim), in fp32; with `positions`
+    (b, s), per row: (b, 1, s, head_dim), broadcast over the heads.
 
     Rotary position embedding (RoFormer, Su et al. 2021, arXiv 2104.09864): frequencies
     theta^(-2i/d), i < d/2. The paper rotates the pairs of features (2i, 2i+1); GPT-NeoX
@@ -95,7 +144,10 @@ def rotary_cos_sin(
     """
     steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
     inverse_frequency = 1.0 / (theta ** (steps / head_dim))
-    angles = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inverse_frequency
+    if positions is None:
+        angles = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inverse_frequency
+    else:
+        angles = (positions.to(torch.float32)[..., None] * inverse_frequency).unsqueeze(1)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 

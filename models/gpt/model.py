@@ -38,7 +38,7 @@ from hybrid.tensor_parallel import (
 from hybrid.tensor_parallel.layers import parallel_linear_input
 from hybrid.tensor_parallel.shards import Init, full_shape, seeded_elements
 
-from .attention import CausalSelfAttention
+from .attention import CausalSelfAttention, document_mask, segment_positions
 from .config import GPTConfig
 from .mlp import make_mlp
 from .norms import make_norm
@@ -61,11 +61,20 @@ class Block(nn.Module):
         self.mlp = make_mlp(config, tp)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return maybe_recompute(self.recompute_layer, self._layer, x, rng=self.tp.rng)
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return maybe_recompute(
+            self.recompute_layer, self._layer, x, mask, positions, rng=self.tp.rng
+        )
 
-    def _layer(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._residual_dropout(self.attn(self.ln_1(x)))
+    def _layer(
+        self, x: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self._residual_dropout(self.attn(self.ln_1(x), mask, positions))
         return x + self._residual_dropout(self.mlp(self.ln_2(x)))
 
     def _residual_dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +222,7 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
         loss_tokens: float | torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Without `targets`: the full logits (b, s, vocab_size), gathered across TP.
 
@@ -222,15 +232,22 @@ class GPT(nn.Module):
         micro-batches passes the count it needs for the mean over the whole global batch:
         averaging per micro-batch would weigh a token by how full its micro-batch is, and
         the loss would change with the parallel layout.
+
+        `segments` (b, s): the document id of each token of packed sequences (several
+        fine-tuning examples to a row). Each document then attends only to itself and its
+        positions start at 0, so its logits are those it would have alone.
         """
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(
                 f"sequence of {seq} tokens exceeds model.seq_len={self.config.seq_len}"
             )
-        x = self._embed(idx.t())
+        mask = positions = None
+        if segments is not None:
+            mask, positions = document_mask(segments), segment_positions(segments)
+        x = self._embed(idx.t(), positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask, positions)
         logits = self._output(self.ln_f(x))  # (s, b, V/tp)
         if targets is None:
             full = gather_from_region(logits, self.tp.group)[..., : self.config.vocab_size]
@@ -244,7 +261,7 @@ class GPT(nn.Module):
             loss_tokens = (~ignored).sum().clamp(min=1)
         return per_token.sum() / loss_tokens
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ learned position) embeddings with dropout; under sequence parallelism
         this rank's chunk of the sequence (the token embedding's reduction is a
         reduce-scatter). Rotary positions are applied inside attention instead."""
@@ -252,8 +269,10 @@ class GPT(nn.Module):
         if self.config.positions == "learned":
             chunk = x.shape[0]
             start = self.tp.rank * chunk if self.tp.sequence_parallel else 0
-            positions = torch.arange(start, start + chunk, device=ids.device)
-            x = x + self.wpe(positions).unsqueeze(1)
+            if positions is None:
+                x = x + self.wpe(torch.arange(start, start + chunk, device=ids.device)).unsqueeze(1)
+            else:  # packed documents: (b, s) positions, this rank's chunk of them
+                x = x + self.wpe(positions[:, start : start + chunk].t())
         with self.tp.residual_rng():
             return dropout(x, self.config.dropout, self.training)
 
