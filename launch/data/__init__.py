@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from ..config import DataConfig
 from .prepare import resolve_workers
 from .sampler import DistributedBatches, TokenWindows, eval_batches
-from .shards import TokenShards
+from .shards import TokenShards, is_token_shards
 from .token_file import (
     Verify,
     build_token_file,
@@ -56,7 +56,7 @@ def prepare_data(
     paths = resolve_files(config.files)
     cache_dir = Path(config.cache_dir).expanduser()
     tokenizer = load_tokenizer(config, paths)
-    if paths[0].is_dir():  # pre-tokenized shards: read in place; every id checked once
+    if is_token_shards(paths[0]):  # pre-tokenized shards: read in place; ids checked once
         verify = verify or config.verify
         stamps = None if verify == "full" else cache_dir  # full: scan at every start
         tokens = TokenShards(paths[0], len(tokenizer), verify != "none", stamps)

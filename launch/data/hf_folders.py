@@ -20,9 +20,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..config import DataConfig
 
 TOKENS_COLUMN = "input_ids"
 _BATCH_ROWS = 1024  # rows per record batch read: bounds memory whatever the corpus size
@@ -45,6 +48,11 @@ class HFFolder:
     def documents(self) -> Iterator[str | np.ndarray]:
         """Each row's text (str), or its token ids (1-D int64 array) when pretokenized;
         rows whose value is null are skipped."""
+        return (document for _, document in self.rows())
+
+    def rows(self) -> Iterator[tuple[int, str | np.ndarray]]:
+        """(row number, document) of every non-null row, numbered over the folder's files
+        in order from 0, so an error can name the row."""
         import datasets  # here: about 1 s of start-up that a cached corpus never needs
 
         datasets.disable_progress_bars()
@@ -55,17 +63,58 @@ class HFFolder:
             self.kind, data_files=[str(f) for f in self.files], split="train", streaming=True,
             **(options if self.kind == "parquet" else {}),
         )  # fmt: skip
+        row = 0
         for table in stream.select_columns([self.column]).with_format("arrow").iter(_BATCH_ROWS):
             column = table.column(self.column)
             if not self.pretokenized:
-                yield from (text for text in column.to_pylist() if text is not None)
+                texts = column.to_pylist()
+                yield from ((row + i, text) for i, text in enumerate(texts) if text is not None)
+                row += len(texts)
                 continue
             for chunk in column.chunks:  # offsets and values: no Python list per token
                 offsets = chunk.offsets.to_numpy()
                 values = chunk.values.to_numpy(zero_copy_only=False).astype(np.int64)
                 valid = chunk.is_valid().to_numpy(zero_copy_only=False)
                 for i in np.flatnonzero(valid):
-                    yield values[offsets[i] : offsets[i + 1]]
+                    yield row + int(i), values[offsets[i] : offsets[i + 1]]
+                row += len(chunk)
+
+
+def id_batches(
+    rows: Iterator[tuple[int, Any]], folder: Path, vocab: int, dtype: np.dtype, tokens: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids as `dtype`, row lengths) of batches of about `tokens` ids of `input_ids` rows
+    (HFFolder.rows()), every id checked to lie in [0, vocab): one-line ValueError naming
+    the folder, the row and the id."""
+    batch: list[np.ndarray] = []
+    numbers: list[int] = []
+    n = 0
+    for number, ids in rows:
+        batch.append(ids)
+        numbers.append(number)
+        n += len(ids)
+        if n >= tokens:
+            yield _checked(batch, numbers, folder, vocab, dtype)
+            batch, numbers, n = [], [], 0
+    if batch:
+        yield _checked(batch, numbers, folder, vocab, dtype)
+
+
+def _checked(
+    batch: list[np.ndarray], numbers: list[int], folder: Path, vocab: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    flat = np.concatenate(batch)
+    lengths = np.fromiter(map(len, batch), np.int64, len(batch))
+    if flat.size and (flat.min() < 0 or flat.max() >= vocab):
+        at = int(np.argmax((flat < 0) | (flat >= vocab)))
+        ends = np.cumsum(lengths)
+        row = int(np.searchsorted(ends, at, side="right"))
+        raise ValueError(
+            f"{folder}: row {numbers[row]}: token id {int(flat[at])} at offset "
+            f"{at - int(ends[row] - lengths[row])} is outside the vocabulary [0, {vocab}) of "
+            "data.tokenizer; set data.tokenizer to the tokenizer the input_ids come from"
+        )
+    return flat.astype(dtype), lengths
 
 
 def is_hf_folder(folder: Path) -> bool:
@@ -98,6 +147,33 @@ def open_hf_folder(folder: str | Path, text_field: str = "text") -> HFFolder:
     if n_rows == 0:
         raise ValueError(f"{folder} holds no documents (0 rows); it is an empty source")
     return HFFolder(folder, kind, files, column, n_rows)
+
+
+def data_files(folder: str | Path) -> tuple[Literal["parquet", "arrow"], tuple[Path, ...]]:
+    """The folder's kind and its data files, in reading order, from the names alone (what
+    the cache key fingerprints); one-line ValueError when it holds none."""
+    return _data_files(Path(folder).expanduser())
+
+
+def check_hf_folders(data: DataConfig) -> None:
+    """Every datasets folder in data.files and in each mixture source, checked from its
+    metadata (open_hf_folder) before any process group: one-line ValueError naming it. A
+    pre-tokenized folder cannot train a `bpe` tokenizer: its ids come from another one."""
+    sources = [("data.files", data.files)]
+    sources += [(f"data.mixture[{i}]", s.files) for i, s in enumerate(data.mixture)]
+    for where, files in sources:
+        for name in files:
+            if not is_hf_folder(Path(name).expanduser()):
+                continue
+            try:
+                folder = open_hf_folder(name, data.text_field)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
+            if folder.pretokenized and data.tokenizer == "bpe":
+                raise ValueError(
+                    f"{where}: {folder.path} holds pre-tokenized {TOKENS_COLUMN}; data.tokenizer="
+                    "bpe cannot be trained on it: set data.tokenizer to the tokenizer of its ids"
+                )
 
 
 def _data_files(folder: Path) -> tuple[Literal["parquet", "arrow"], tuple[Path, ...]]:

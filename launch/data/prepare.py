@@ -11,6 +11,11 @@ already finished. The last step joins the parts into `tokens.bin` and `docs.bin`
 start offset of every document: a document ends with the end-of-text token, after each
 jsonl or parquet record and at the end of each text file) and writes `meta.json` last,
 the cache's completion marker.
+
+A local datasets folder (launch.data.hf_folders) is one input, read streaming, record
+batch by record batch: a text row is one document, tokenized as above; an `input_ids` row
+is appended as it is (no tokenizer, no end-of-text added: the ids are the user's), each
+id checked against the vocabulary, and indexed in docs.bin as one document.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import xxhash
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from .hf_folders import id_batches, open_hf_folder
 from .prepare_read import (
     HashingReader,
+    content_hash,
     file_format,
     input_fingerprint,
     iter_file_documents,
@@ -89,7 +96,7 @@ def prepare_corpus(
                     parts_dir, index, path, tokenizer, text_field, dtype, pool, workers, bar
                 )
             else:
-                bar.update(path.stat().st_size)  # kept from an earlier, interrupted run
+                bar.update(total_bytes([path]))  # kept from an earlier, interrupted run
             parts.append(part)
     finally:
         bar.close()
@@ -207,6 +214,10 @@ def _write_part(
     workers: int,
     bar: tqdm,
 ) -> dict[str, Any]:
+    if path.is_dir():
+        return _write_folder_part(
+            parts_dir, index, path, tokenizer, text_field, dtype, pool, workers, bar
+        )
     name = _part_name(index, path)
     per_record = file_format(path) != "text"
     eos = tokenizer.eos_token_id
@@ -245,18 +256,77 @@ def _write_part(
         bar.update(raw.bytes_read - seen)
     finally:
         raw.close()
-    tokens_tmp.replace(parts_dir / f"{name}.bin")
-    docs_tmp.replace(parts_dir / f"{name}.docs")
-    part = {
+    # the full content hash, taken while reading
+    part = _part(name, path, n_tokens, n_docs, dtype, digest, raw.digest.hexdigest())
+    return _finish_part(parts_dir, part, tokens_tmp, docs_tmp)
+
+
+def _write_folder_part(
+    parts_dir: Path,
+    index: int,
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    text_field: str,
+    dtype: np.dtype,
+    pool: Any,
+    workers: int,
+    bar: tqdm,
+) -> dict[str, Any]:
+    """A datasets folder's part: text rows tokenized like parquet records, `input_ids`
+    rows checked and appended as they are (see the module)."""
+    folder = open_hf_folder(path, text_field)
+    name = _part_name(index, path)
+    # datasets reads the files itself, so their full hash is one pass of its own (as parquet's)
+    input_hash = content_hash(path)
+    size, shown = total_bytes([path]), 0
+    if folder.pretokenized:
+        encoded = id_batches(folder.rows(), path, len(tokenizer), dtype, BATCH_CHARS)
+    else:
+        texts: Iterator[str] = (text for _, text in folder.rows())  # type: ignore[misc]
+        eos = tokenizer.eos_token_id
+        encoded = _encoded(_batches(texts), tokenizer, dtype, eos, pool, 2 * workers)
+    suffix = f".tmp{os.getpid()}"
+    tokens_tmp, docs_tmp = parts_dir / f"{name}.bin{suffix}", parts_dir / f"{name}.docs{suffix}"
+    digest = xxhash.xxh3_128()
+    n_tokens, n_docs = 0, 0
+    with open(tokens_tmp, "wb") as tokens_out, open(docs_tmp, "wb") as docs_out:
+        for flat, lengths in encoded:
+            starts = n_tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+            docs_out.write(starts.astype(np.int64).tobytes())
+            tokens_out.write(flat.tobytes())
+            digest.update(flat.tobytes())
+            n_tokens += len(flat)
+            n_docs += len(lengths)
+            done = size * min(n_docs, folder.n_rows) // folder.n_rows  # rows read, as bytes
+            bar.update(done - shown)
+            shown = done
+    bar.update(size - shown)
+    part = _part(name, path, n_tokens, n_docs, dtype, digest, input_hash)
+    return _finish_part(parts_dir, part, tokens_tmp, docs_tmp)
+
+
+def _part(
+    name: str, path: Path, n_tokens: int, n_docs: int, dtype: np.dtype, digest: Any,
+    input_hash: str,
+) -> dict[str, Any]:  # fmt: skip
+    return {
         "name": name,
         "path": str(path),
         "n_tokens": n_tokens,
         "n_bytes": n_tokens * dtype.itemsize,
         "n_docs": n_docs,
         "xxh3_128": digest.hexdigest(),
-        "input_xxh3_128": raw.digest.hexdigest(),  # the full content hash, taken while reading
+        "input_xxh3_128": input_hash,
     }
-    partial = parts_dir / f"{name}.json{suffix}"
+
+
+def _finish_part(
+    parts_dir: Path, part: dict[str, Any], tokens_tmp: Path, docs_tmp: Path
+) -> dict[str, Any]:
+    name = part["name"]
+    tokens_tmp.replace(parts_dir / f"{name}.bin")
+    docs_tmp.replace(parts_dir / f"{name}.docs")
+    partial = parts_dir / f"{name}.json.tmp{os.getpid()}"
     partial.write_text(json.dumps(part))
     partial.replace(parts_dir / f"{name}.json")  # last: marks the part finished
     return part

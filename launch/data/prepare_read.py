@@ -17,6 +17,8 @@ from pathlib import Path
 
 import xxhash
 
+from .hf_folders import data_files
+
 # The sampled hash reads this many blocks of this size, spread evenly over the file (the
 # first and the last included): 16 x 64 KiB = 1 MiB read whatever the file's size.
 SAMPLE_BLOCKS = 16
@@ -67,9 +69,30 @@ def full_hash(path: Path) -> str:
 
 def input_fingerprint(path: Path) -> str:
     """What the cache key knows of an input file: size, modification time, sampled hash.
-    A copy to another machine gets a new mtime and is prepared again there: once per node."""
+    A copy to another machine gets a new mtime and is prepared again there: once per node.
+    A datasets folder (launch.data.hf_folders): the same of each of its data files, named
+    relative to it, so editing, adding or removing one changes the key."""
+    if path.is_dir():
+        kind, files = data_files(path)
+        parts = [f"{f.relative_to(path)}={input_fingerprint(f)}" for f in files]
+        return f"{kind}[{';'.join(parts)}]"
     stat = path.stat()
     return f"{stat.st_size}:{stat.st_mtime_ns}:{sampled_hash(path)}"
+
+
+def input_files(path: Path) -> tuple[Path, ...]:
+    """The files an input reads: itself, or a datasets folder's data files."""
+    return data_files(path)[1] if path.is_dir() else (path,)
+
+
+def content_hash(path: Path) -> str:
+    """xxh3-128 of every byte an input reads (a folder's data files one after another)."""
+    digest = xxhash.xxh3_128()
+    for file in input_files(path):
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 class HashingReader(io.RawIOBase):
@@ -173,4 +196,5 @@ def _parquet_documents(path: Path, field: str, raw: HashingReader) -> Iterator[s
 
 
 def total_bytes(paths: list[Path]) -> int:
-    return sum(os.path.getsize(p) for p in paths)
+    """The inputs' size on disk, a datasets folder's data files counted."""
+    return sum(os.path.getsize(f) for p in paths for f in input_files(p))

@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from .hf_folders import TOKENS_COLUMN, is_hf_folder, open_hf_folder
 from .prepare import prepare_corpus
 from .prepare_read import (
     HashingReader,
@@ -57,19 +58,27 @@ class TokenFile:
 
 def resolve_files(files: list[str]) -> list[Path]:
     """The user's files, or the bundled Shakespeare corpus when none are given, or one
-    folder of pre-tokenized shards (launch.data.shards: read in place, not prepared)."""
+    folder of pre-tokenized shards (launch.data.shards: read in place, not prepared).
+    A local datasets folder (launch.data.hf_folders) counts as one input file."""
     if not files:
         return [BUNDLED_CORPUS]
     paths = [Path(f).expanduser() for f in files]
-    if any(path.is_dir() for path in paths):
-        (folder,) = paths if len(paths) == 1 else (None,)
-        if folder is None or not is_token_shards(folder):
-            raise ValueError(
-                f"data.files: {next(p for p in paths if p.is_dir())} is a folder; a folder must "
-                "be the only entry and hold a token-shard manifest.json (launch.data.shards)"
-            )
+    if len(paths) == 1 and is_token_shards(paths[0]):
         return paths
     for path in paths:
+        if is_token_shards(path):
+            raise ValueError(
+                f"data.files: {path} is a token-shard folder; it must be the only entry "
+                "(merge the shards, or give the sources as data.mixture)"
+            )
+        if path.is_dir() and not is_hf_folder(path):
+            raise ValueError(
+                f"data.files: {path} is a folder of neither kind read: a token-shard folder "
+                "(manifest.json, launch.data.shards; the only entry) or a datasets folder "
+                "(parquet files, or save_to_disk's state.json)"
+            )
+        if path.is_dir():
+            continue
         if not path.is_file():
             raise FileNotFoundError(f"data.files: {path} does not exist or is not a file")
         file_format(path)  # unknown extensions fail here, before any work
@@ -99,8 +108,18 @@ def iter_documents(
 ) -> Iterator[str]:
     """Yield text pieces in order, streaming. A text file is read paragraph by paragraph
     (its blank lines restored); a jsonl or parquet record is one document. (`cache_dir`
-    is unused: kept for callers of the datasets-based reader this replaced.)"""
+    is unused: kept for callers of the datasets-based reader this replaced.) A datasets
+    folder's text rows are its documents; its `input_ids` rows are not text."""
     for path in paths:
+        if path.is_dir():
+            folder = open_hf_folder(path, text_field)
+            if folder.pretokenized:
+                raise ValueError(
+                    f"{path} holds pre-tokenized {TOKENS_COLUMN}, not text; set data.tokenizer "
+                    "to the tokenizer of its ids"
+                )
+            yield from folder.documents()  # type: ignore[misc]
+            continue
         raw = HashingReader(path)
         try:
             yield from iter_file_documents(path, text_field, raw)
