@@ -10,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from small_run import TINY_CONFIG, small_run_overrides
 from wandb_log import history
 
+from launch import pretrain
 from launch.config import load_config
 from launch.memory_check import format_bytes, planned_peak, run_model
 from models.gpt import count_parameters
@@ -90,24 +92,25 @@ def _check_memory_figures(rows: list[dict], stdout: str, overrides: list[str]) -
     assert f"planned {format_bytes(planned)}" in summary
 
 
-def test_bad_override_is_one_clear_line(tmp_path: Path) -> None:
-    result = _run(["--config", str(TINY_CONFIG), "train.lrr=1"], None, tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
-        "error: unknown config key 'train.lrr'; did you mean 'train.lr'?"
-    )
-    result = _run(["--config", str(TINY_CONFIG), "data.files=[nope.txt]"], None, tmp_path)
-    assert result.returncode == 2 and "nope.txt does not exist" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_bad_override_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process (main() is what `python -m launch.pretrain` runs): what it prints and
+    returns, with no traceback."""
+    monkeypatch.chdir(tmp_path)
+    assert pretrain.main(["--config", str(TINY_CONFIG), "train.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: unknown config key 'train.lrr'; did you mean 'train.lr'?"
+    assert pretrain.main(["--config", str(TINY_CONFIG), "data.files=[nope.txt]"]) == 2
+    err = capsys.readouterr().err
+    assert "nope.txt does not exist" in err and "Traceback" not in err
 
 
 def test_vocab_smaller_than_tokenizer_is_refused(
-    small_corpus: Path, cache_dir: Path, tmp_path: Path
+    small_corpus: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     overrides = small_run_overrides(small_corpus, cache_dir, tmp_path / "run")
-    result = _run(
-        ["--config", str(TINY_CONFIG), *overrides, "model.vocab_size=256"], None, tmp_path
-    )
-    assert result.returncode == 2
-    assert "model.vocab_size=256 is smaller than the tokenizer's 320 tokens" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert pretrain.main(["--config", str(TINY_CONFIG), *overrides, "model.vocab_size=256"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size=256 is smaller than the tokenizer's 320 tokens" in err
+    assert "Traceback" not in err

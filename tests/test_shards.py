@@ -231,10 +231,13 @@ def test_pretraining_reads_a_shard_folder_in_place_and_names_a_missing_shard(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """data.files=[<shard folder>]: a run trains on the shards (no tokenizing, nothing
-    copied into the cache); with a shard gone, one error line before anything starts."""
+    copied into the cache); an id outside the vocabulary, or a shard gone, is one error
+    line before any process group."""
     from small_run import TINY_CONFIG, small_run_overrides
 
     from launch import pretrain
+    from launch.cli import check_before_start
+    from launch.config import ConfigError, load_config
 
     folder = tmp_path / "shards"
     ids = np.random.default_rng(0).integers(0, 50257, size=6000)
@@ -244,6 +247,13 @@ def test_pretraining_reads_a_shard_folder_in_place_and_names_a_missing_shard(
     assert pretrain.main(["--config", str(TINY_CONFIG), *overrides]) == 0
     assert "5,700 train tokens" in capsys.readouterr().out  # 95% of the 6000 shard tokens
     assert not (tmp_path / "cache" / "tokens").exists()
+    write_token_shards(tmp_path / "bad", [ids], vocab_size=50257, tokens_per_shard=4000)
+    with open(tmp_path / "bad" / "shard-00000.bin", "r+b") as f:  # a folder never scanned
+        f.seek(3000 * 2)
+        f.write(np.uint16(50257).tobytes())  # an id outside the vocabulary
+    bad_run = small_run_overrides(tmp_path / "bad", tmp_path / "cache", tmp_path / "run2")
+    with pytest.raises(ConfigError, match=r"token id 50257 at offset 3000 is outside"):
+        check_before_start(load_config(str(TINY_CONFIG), [*bad_run, *overrides[-3:]]), 1)
     (folder / "shard-00001.bin").unlink()
     assert pretrain.main(["--config", str(TINY_CONFIG), *overrides]) == 2
     err = capsys.readouterr().err.strip()
