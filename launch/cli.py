@@ -50,7 +50,7 @@ def check_token_shards(folder: Path, n_tokens: int, cache_dir: Path) -> None:
     and a rank that late to the rendezvous would end the job."""
     shards = TokenShards(folder, n_tokens, scan=False)
     if len(shards) * shards.dtype.itemsize <= SCAN_AT_START_BYTES:
-        TokenShards(folder, n_tokens, scan=True, stamp_dir=cache_dir)
+        shards.scan(cache_dir)
 
 
 def check_before_start(config: Config, world_size: int) -> int:

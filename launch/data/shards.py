@@ -213,12 +213,18 @@ class TokenShards:
         self._lo, self._hi = 0, int(self.starts[-1])
         self._maps: list[np.ndarray | None] = [None] * len(self.shards)
         if scan:
-            stamp = self._stamp_path(Path(stamp_dir)) if stamp_dir is not None else None
-            if stamp is None or not stamp.is_file():
-                self._scan()
-                if stamp is not None:
-                    stamp.parent.mkdir(parents=True, exist_ok=True)
-                    stamp.write_text(str(manifest_path) + "\n")
+            self.scan(stamp_dir)
+
+    def scan(self, stamp_dir: str | Path | None = None) -> None:
+        """Check every id and every shard's hash (ValueError, one line, on the first bad
+        one); with `stamp_dir`, skipped when a scan of the unchanged folder passed before,
+        and remembered there when this one passes."""
+        stamp = self._stamp_path(Path(stamp_dir)) if stamp_dir is not None else None
+        if stamp is None or not stamp.is_file():
+            self._scan()
+            if stamp is not None:
+                stamp.parent.mkdir(parents=True, exist_ok=True)
+                stamp.write_text(str(self.folder / MANIFEST) + "\n")
 
     def __len__(self) -> int:
         return self._hi - self._lo
