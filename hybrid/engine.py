@@ -19,7 +19,10 @@ Buckets are the `units` (e.g. transformer layers) plus one for the remaining par
 Memory layout: at stages 0-2 every parameter is a view into its bucket's flat buffer, so
 the optimizer steps on (a slice of) that buffer and the all-gather writes into it with no
 copy. Gradients are copied once, from autograd into the bucket's flat gradient buffer, and
-released. In fp32 the fp32 master *is* the parameter shard: no second copy.
+released. That buffer, the micro-batch sums, the DP reduction and the shards are fp32 by
+default under bf16 and fp16 (`grad_reduce_dtype`, as Megatron and DeepSpeed do), or the
+16-bit compute dtype for half the traffic. In fp32 the fp32 master *is* the parameter
+shard: no second copy.
 Collectives are issued asynchronously from the hooks and waited for at the end of
 backward, so communication overlaps the rest of backward.
 """
@@ -46,6 +49,7 @@ from .zero.gather import ParameterGatherer
 from .zero.state import materialise, replace_meta_parameters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,12 @@ class EngineConfig:
     # Stages 0-2: consecutive units share a bucket up to this size (DDP's default cap), so
     # a small model is reduced in few, large collectives. Stage 3 gathers unit by unit.
     bucket_mb: float = 25.0
+    # Gradients' dtype from autograd's copy on: the flat buffers, the micro-batch sum, the
+    # DP reduction and the shards. "fp32" (Megatron's and DeepSpeed's default) sums bf16 or
+    # fp16 gradients without rounding each addition to 8 (or 11) mantissa bits; "bf16"
+    # keeps them in the 16-bit compute dtype (bf16 or fp16): half the reduction traffic.
+    # fp32 precision reduces in fp32 either way.
+    grad_reduce_dtype: str = "fp32"  # fp32 | bf16
 
 
 @dataclass
@@ -86,7 +96,14 @@ class Engine:
         if config.precision not in DTYPES:
             raise ValueError(f"precision={config.precision!r} must be one of {list(DTYPES)}")
         self.module, self.topology, self.tp, self.config = model, topology, tp, config
+        if config.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(
+                f"grad_reduce_dtype={config.grad_reduce_dtype!r} must be one of "
+                f"{list(GRAD_REDUCE_DTYPES)}"
+            )
         self.dtype = DTYPES[config.precision]
+        fp32_grads = config.grad_reduce_dtype == "fp32"
+        self.grad_dtype = torch.float32 if fp32_grads else self.dtype
         self.dp = topology.dp_group
         self.stage = config.zero_stage
         if device is None:
@@ -104,7 +121,10 @@ class Engine:
         max_numel = max_bucket_numel(self.stage, config.bucket_mb, element)
         self.buckets = build_buckets(model, units, dp_size, dp_rank, max_numel)
         model.to(self.dtype)  # buffers; parameters move into the buckets' flat tensors
-        self.states = [materialise(model, b, self.stage, self.dtype, device) for b in self.buckets]
+        self.states = [
+            materialise(model, b, self.stage, self.dtype, device, self.grad_dtype)
+            for b in self.buckets
+        ]
         replace_meta_parameters(model, self.buckets, self.states)
         self._where = {
             id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)
@@ -197,11 +217,11 @@ class Engine:
         k, i = self._where[id(param)]
         bucket, state = self.buckets[k], self.states[k]
         if state.grad_flat is None:
-            state.grad_flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            state.grad_flat = torch.empty(bucket.numel, dtype=self.grad_dtype, device=self.device)
             self._note_buffers()
         view = bucket.view(state.grad_flat, i)
         if state.filled[i]:
-            view.add_(param.grad)
+            view.add_(param.grad)  # in fp32 buffers: the 16-bit gradient summed in fp32
         else:
             view.copy_(param.grad)
             state.filled[i] = True
@@ -216,7 +236,9 @@ class Engine:
         state.ready = 0
         flat = state.grad_flat
         if flat is None:  # no gradient reached this bucket in this step
-            flat = state.grad_flat = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            flat = state.grad_flat = torch.empty(
+                bucket.numel, dtype=self.grad_dtype, device=self.device
+            )
         for i, filled in enumerate(state.filled):
             if not filled:
                 bucket.view(flat, i).zero_()
@@ -229,7 +251,7 @@ class Engine:
         if self.stage == 0:
             out, handle = flat, self.dp.all_reduce_async(flat)
         else:
-            out = torch.empty(bucket.shard_numel, dtype=self.dtype, device=self.device)
+            out = torch.empty(bucket.shard_numel, dtype=self.grad_dtype, device=self.device)
             handle = self.dp.reduce_scatter_into(out, flat)
         self._pending.append((k, handle, out, flat))
         if self.stage >= 1:
@@ -275,11 +297,11 @@ class Engine:
         for state in self.states:
             grad = state.grad_shard
             if grad is None:  # nothing reduced into this bucket: zero gradient
-                grad = torch.zeros_like(state.master, dtype=self.dtype)
+                grad = torch.zeros_like(state.master, dtype=self.grad_dtype)
             if grad.dtype != torch.float32:
                 grad = grad.float()
-                if self.loss_scale != 1.0:
-                    grad /= self.loss_scale
+            if self.loss_scale != 1.0:  # fp16: unscaled in fp32, the shard's own if fp32
+                grad /= self.loss_scale
             grads.append(grad)
             for segment, view in state.master_segments:
                 view.grad = grad[segment.start : segment.end]

@@ -56,6 +56,12 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # bf16/fp16: the dtype gradients are accumulated over micro-batches and reduced over DP
+    # in. fp32 as Megatron and DeepSpeed default to; bf16 halves the traffic and rounds
+    # every micro-batch sum and ring step to 8 bits of mantissa.
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # The device's peak TFLOP/s for MFU (null: a known GPU's bf16 peak; none on CPU).
+    peak_tflops: float | None = None
     eval_every: int = 100
     eval_batches: int = 4  # validation set size, in global batches
     # Stop after this step, saving a checkpoint, as a preempted job would; the learning-rate
@@ -346,6 +352,10 @@ def validate(config: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        raise ConfigError(
+            f"train.peak_tflops={t.peak_tflops} must be positive (or null: a known GPU's peak)"
+        )
     non_negative = {
         "train.min_lr": t.min_lr,
         "train.warmup_steps": t.warmup_steps,

@@ -10,7 +10,8 @@ it against the planner's prediction (launch.memory_check.planned_peak).
   only be low, never high. RSS also counts pages of torch's libraries first touched
   during the run: a few tens of MiB that dominate a tiny model's figure.
 - CUDA: `torch.cuda.max_memory_allocated` above `memory_allocated`, after resetting the
-  allocator's peak at the same point.
+  allocator's peak at the same point. `device_peak` is that allocator peak itself, the
+  baseline included: the device memory a run shows in its bar and summary.
 """
 
 from __future__ import annotations
@@ -74,13 +75,30 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
         return max(0, _peak_rss() - self.baseline)
 
+    def device_peak(self) -> int | None:
+        """The CUDA allocator's own peak since the run began measuring, baseline included:
+        what the device had to hold at most (torch.cuda.max_memory_allocated, reset at
+        the start); None on CPU, where there is no device memory apart from the RSS."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device)
+
     def max_over_ranks(self) -> int:
         """The largest rank's peak so far: one MAX all-reduce of one number (all ranks
         must call)."""
-        value = torch.tensor([self.local()], dtype=torch.int64, device=self.device)
+        return self.maxima()[0]
+
+    def maxima(self) -> tuple[int, int | None]:
+        """The largest rank's `local()` and `device_peak()` so far, in one MAX all-reduce
+        of two numbers (all ranks must call)."""
+        device = self.device_peak()
+        value = torch.tensor(
+            [self.local(), -1 if device is None else device], dtype=torch.int64, device=self.device
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value.item())
+        local, device_max = (int(v) for v in value.tolist())
+        return local, None if device is None else device_max
 
     def per_rank(self) -> list[int]:
         """Every rank's peak so far, by rank (all ranks must call)."""

@@ -133,6 +133,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, help="tokens per training sequence")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the tokenizer's)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"))
+    p.add_argument(
+        "--grad-reduce-dtype",
+        choices=("fp32", "bf16"),
+        help="gradient accumulation and reduction dtype (bf16: the 16-bit compute dtype)",
+    )
     p.add_argument("--bucket-mb", type=float, default=25.0, help="engine bucket size (MiB)")
     p.add_argument("--reserve", default="1GiB", help="kept free for CUDA context, NCCL, etc.")
     p.add_argument(
@@ -172,7 +177,7 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         model = Model("bare count", None, None, count)
         defaults = {"tp": 1, "zero_stage": 0, "sequence_parallel": False, "recompute": "none"}
         defaults |= {"recompute_every": 1, "micro_batch": 1, "global_batch": None}
-        return model, defaults | {"precision": "bf16"}
+        return model, defaults | {"precision": "bf16", "grad_reduce_dtype": "fp32"}
     config = read_config(args.config, args.overrides)
     m, t = config.model, config.train
     if args.vocab is not None:
@@ -203,6 +208,7 @@ def layout_options(config: Config) -> dict[str, Any]:
         "micro_batch": t.micro_batch_size,
         "global_batch": t.global_batch_size,
         "precision": t.precision,
+        "grad_reduce_dtype": t.grad_reduce_dtype,
     }
 
 

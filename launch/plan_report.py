@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hybrid.memory import Plan, precision_bytes, unit_bytes
+from hybrid.memory import Plan, grad_element_bytes, precision_bytes, unit_bytes
 
 
 def report(p: Plan, title: str, args: argparse.Namespace) -> str:
@@ -17,6 +17,7 @@ def report(p: Plan, title: str, args: argparse.Namespace) -> str:
         return f"  {label:<28}{shown:>10}  {note}".rstrip()
 
     element, _ = precision_bytes(layout.precision)
+    grad = grad_element_bytes(layout.precision, layout.grad_reduce_dtype)
     pad = f", padding {p.padding} elements" if p.padding else ""
     lines = [
         title,
@@ -24,7 +25,11 @@ def report(p: Plan, title: str, args: argparse.Namespace) -> str:
         "",
         f"{'memory per GPU':<30}{unit:>10}",
         row("parameters", memory["parameters"], f"{p.psi:,} per TP rank x {element} B{pad}"),
-        row("gradients", memory["gradients"]),
+        row(
+            "gradients",
+            memory["gradients"],
+            f"{grad} B, accumulated and reduced in {'fp32' if grad == 4 else layout.precision}",
+        ),
         row("optimizer states", memory["optimizer"], f"fp32 Adam (ZeRO stage {layout.zero_stage})"),
         row("= model states", memory["model_states"]),
     ]

@@ -18,6 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .config import WandbConfig
+from .mfu import format_mfu
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
@@ -55,6 +56,12 @@ class Tracker:
             "lr": f"{metrics['lr']:.2e}",
             "tok/s": f"{metrics['tokens_per_s']:,.0f}",
         }
+        if "mfu" in metrics:
+            shown["mfu"] = format_mfu(metrics["mfu"])
+        # The device's memory: the CUDA allocator's peak, else (CPU) the peak RSS growth.
+        memory = metrics.get("device_mem_bytes", metrics.get("peak_mem_bytes"))
+        if memory is not None:
+            shown["mem"] = f"{memory / 2**30:.2f}GiB"
         if "val_loss" in metrics:
             shown["val"] = f"{metrics['val_loss']:.4f}"
         self.progress.set_postfix(shown, refresh=False)

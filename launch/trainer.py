@@ -27,17 +27,27 @@ def split_batch(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch
     inputs and the same tokens shifted by one; supervised examples come already split,
     with IGNORE_INDEX targets where no loss is taken."""
     if isinstance(batch, tuple):
-        inputs, targets = batch[:2]
-    else:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-    return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        return to_device(batch[0], device), to_device(batch[1], device)
+    window = to_device(batch, device)  # one copy; cut on the device
+    return window[:, :-1], window[:, 1:]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. To CUDA through pinned memory: a copy from pageable memory
+    makes the host wait for it, one from pinned memory is queued on the stream, so a
+    step's micro-batches (train_step copies them all first) arrive while the first one
+    computes. torch's pinned allocator caches the blocks and keeps each until its copy
+    is done. On CPU: the tensor itself."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def model_options(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
     """The model's keyword arguments beyond (inputs, targets): packed examples' segment
     ids; nothing for other batches, whose forward is unchanged."""
     if isinstance(batch, tuple) and len(batch) == 3:
-        return {"segments": batch[2].to(device, non_blocking=True)}
+        return {"segments": to_device(batch[2], device)}
     return {}
 
 

@@ -37,7 +37,8 @@ from .data.mixture import load_mixture, validation_sets
 from .data.prepare_wait import DataPhase
 from .data.sampler import Samples
 from .data.token_file import resolve_files
-from .memory_check import planned_peak_bytes
+from .memory_check import format_bytes, planned_peak_bytes
+from .mfu import Utilization, format_mfu
 from .optim import lr_at
 from .peak_memory import PeakMemory, memory_summary
 from .preemption import NonFiniteLoss, Preemption
@@ -157,6 +158,7 @@ def engine_config(config: Config, dp: int) -> EngineConfig:
         micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
         grad_clip=t.grad_clip,
         weight_decay=t.weight_decay,
+        grad_reduce_dtype=t.grad_reduce_dtype,
     )
 
 
@@ -182,6 +184,8 @@ def train(
     memory = PeakMemory(env.device)  # the baseline: what the run holds before its model
     model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
     planned = planned_peak_bytes(config, model.config, env.world_size, env.device.type)
+    # The planner's model FLOPs per token and the device's peak, for each step's MFU.
+    utilization = Utilization.for_run(model.config, window, env.world_size, t.peak_tflops, env.device)
     engine = Engine(
         model, topology, tp, engine_config(config, dp), units=list(model.blocks), device=env.device
     )
@@ -254,6 +258,7 @@ def train(
             memory,
             planned,
             writer,
+            utilization,
         )
         writer.close()  # the last checkpoint committed before anything else happens
     finally:
@@ -273,13 +278,14 @@ def train(
     sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
     write_final_weights(engine, config, data, run_dir, env.is_main)
     peaks = memory.per_rank()  # every rank: the whole run's, final weights included
+    device_peak = memory.maxima()[1]  # every rank: the allocator's, largest rank's (CUDA)
     if tracker is not None:
         tracker.finish()
         if sample is not None:
             print(
                 f"--- sample ({config.sample.tokens} tokens) ---\n{sample}\n--- end of sample ---"
             )
-        print(summary_line(history, total_time, run_dir, peaks, planned), flush=True)
+        print(summary_line(history, total_time, run_dir, peaks, planned, device_peak), flush=True)
     return history
 
 
@@ -298,11 +304,13 @@ def _loop(
     memory: PeakMemory,
     planned: int | None,
     writer: CheckpointWriter,
+    utilization: Utilization,
 ) -> bool:
     """Train `steps`, appending each step's metrics to `history`; checkpoint every
     `checkpoint.every` steps and after the last. False when SIGTERM stopped it early
     (after a checkpoint of the step it finished). Each step's metrics carry the largest
-    rank's peak memory so far beside the planner's peak for this layout."""
+    rank's peak memory so far beside the planner's peak for this layout, on CUDA the
+    allocator's peak, and MFU where the device's peak is known."""
     t = config.train
     evaluate_after = set(eval_steps(t.steps, t.eval_every))
     tokens_per_step = t.global_batch_size * (t.seq_len or config.model.seq_len)
@@ -319,6 +327,9 @@ def _loop(
             "tokens_per_s": tokens_per_step / elapsed,
             "step_time_s": elapsed,
         }
+        mfu = utilization.of(metrics["tokens_per_s"])
+        if mfu is not None:
+            metrics["mfu"] = mfu  # a fraction of one device's peak
         # fp16 overflows are routine (the loss scale halves); elsewhere a NaN or inf is not.
         if t.precision != "fp16" and (skipped or not math.isfinite(loss)):
             if t.on_nonfinite == "stop":
@@ -335,8 +346,11 @@ def _loop(
             metrics |= val_losses(engine, val_set, topology, env.device)
         # After evaluation, so the line's peak covers it. The loss is reduced over DP only
         # (a SUM), so the largest rank's peak takes its own MAX over the world.
-        metrics["peak_mem_bytes"] = memory.max_over_ranks()
+        peak, device_peak = memory.maxima()
+        metrics["peak_mem_bytes"] = peak
         metrics["planned_peak_bytes"] = planned
+        if device_peak is not None:
+            metrics["device_mem_bytes"] = device_peak
         history.append(metrics)
         if tracker is not None:
             tracker.log(metrics)
@@ -424,14 +438,22 @@ def summary_line(
     run_dir: Path,
     peaks: list[int] | None = None,
     planned: int | None = None,
+    device_peak: int | None = None,
 ) -> str:
+    """The run's last line: steps, time, losses, median tokens/s and MFU, peak memory
+    beside the plan, and on CUDA the allocator's peak (the largest rank's)."""
     vals = [m["val_loss"] for m in history if "val_loss" in m]
     speed = statistics.median(m["tokens_per_s"] for m in history)
     parts = [f"done: {len(history)} steps in {total_time:.0f}s", f"loss {history[-1]['loss']:.4f}"]
     if vals:
         parts.append(f"val_loss {vals[0]:.4f} -> {vals[-1]:.4f} ({vals[-1] / vals[0] - 1:+.0%})")
     parts.append(f"{format_count(speed)} tokens/s (median)")
+    mfus = [m["mfu"] for m in history if "mfu" in m]
+    if mfus:
+        parts.append(f"MFU {format_mfu(statistics.median(mfus))} (median)")
     if peaks:
         parts.append(memory_summary(peaks, planned))
+    if device_peak is not None:
+        parts.append(f"device memory {format_bytes(device_peak)} (allocator peak)")
     parts.append(f"run_dir {run_dir}")
     return " | ".join(parts)

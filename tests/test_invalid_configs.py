@@ -58,6 +58,7 @@ CASES = [
      "n_head=4 is not divisible by n_kv_head=3"),
     ("stop_at beyond steps", 1, ["train.stop_at=5000"], "train.stop_at=5000 must be between"),
     ("zero collective timeout", 1, ["dist_timeout_s=0"], "dist_timeout_s=0.0 must be positive"),
+    ("zero peak TFLOP/s", 1, ["train.peak_tflops=0"], "train.peak_tflops=0.0 must be positive"),
     ("pretraining from a checkpoint folder", 1, ["init_from={tmp}"],
      "init_from is for fine-tuning"),
     ("a layout planned above the memory limit", 2, ["train.memory_limit=30MiB"],

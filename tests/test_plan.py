@@ -103,15 +103,23 @@ FIGURE_1 = ("120", "31.4", "16.6", "1.9")  # 7.5B on 64 GPUs, stages 0-3 (Figure
 
 
 def test_zero_paper_figure_1_and_table_1() -> None:
+    # The paper's gradients are 2-byte (bf16/fp16 reduction); ours default to fp32.
+    paper = ["--grad-reduce-dtype", "bf16"]
     for stage, text in enumerate(FIGURE_1):
-        report = run_plan(["--params", "7.5e9", "--gpus", "64", "--zero-stage", str(stage)])
+        args = ["--params", "7.5e9", "--gpus", "64", "--zero-stage", str(stage), *paper]
+        report = run_plan(args)
         assert printed(report["memory"]["model_states"] / 1e9, text), (stage, text)
     for params, rows in TABLE_1.items():
         for dp, texts in rows.items():
             for stage, text in zip((1, 2, 3), texts, strict=True):
                 args = ["--params", params, "--gpus", str(dp), "--zero-stage", str(stage)]
-                gb = run_plan(args)["memory"]["model_states"] / 1e9
+                gb = run_plan([*args, *paper])["memory"]["model_states"] / 1e9
                 assert printed(gb, text), (params, dp, stage, gb, text)
+    # fp32 gradients, the default: 2 more bytes per gradient element held, (2 + 4 + 12) Psi
+    # at stage 0, (2 + 4 + 12) Psi / N at stage 3.
+    for stage, expected in ((0, 18 * 7.5e9), (3, 18 * 7.5e9 / 64)):
+        args = ["--params", "7.5e9", "--gpus", "64", "--zero-stage", str(stage)]
+        assert run_plan(args)["memory"]["model_states"] == pytest.approx(expected)
 
 
 # ---- against measurement ------------------------------------------------------------------
@@ -314,13 +322,20 @@ def test_sizes_parse_with_units() -> None:
 def test_step_time_counts_recomputation_and_zero_3_traffic() -> None:
     """Full recomputation adds a forward of the layers (almost 4/3 of the compute: the
     logits are not recomputed); with one micro-batch per step ZeRO-3 sends 3 Psi over DP
-    where stage 1 sends 2 Psi (ZeRO section 7)."""
+    where stage 1 sends 2 Psi (ZeRO section 7), counted in 2-byte elements: with fp32
+    gradients (the default) the reduce-scatter's Psi weighs 4 bytes, so (4 + 2 x 2) Psi
+    against (4 + 2) Psi."""
     report = {}
     for stage, mode in ((1, "none"), (1, "full"), (3, "none")):
         args = ["--config", "gpt2-1.5b", "--gpus", "64", "--tp", "1", "--micro-batch", "8"]
         report[stage, mode] = run_plan([*args, "--zero-stage", str(stage), "--recompute", mode])
+        for dtype in ("bf16", "fp32"):
+            given = [*args, "--zero-stage", str(stage), "--grad-reduce-dtype", dtype]
+            report[stage, mode, dtype] = run_plan([*given, "--recompute", mode])
     ratio = report[1, "full"]["time"]["compute_s"] / report[1, "none"]["time"]["compute_s"]
     assert 1.25 < ratio < 4 / 3
     assert report[1, "none"]["layout"]["micro_batches"] == 1
-    stage1, stage3 = (report[s, "none"]["communication"]["dp_bytes"] for s in (1, 3))
-    assert stage3 / stage1 == pytest.approx(3 / 2, rel=1e-12)
+    for dtype, expected in (("bf16", 3 / 2), ("fp32", 4 / 3)):
+        stage1, stage3 = (report[s, "none", dtype]["communication"]["dp_bytes"] for s in (1, 3))
+        assert stage3 / stage1 == pytest.approx(expected, rel=1e-12)
+    assert report[3, "none"]["communication"] == report[3, "none", "fp32"]["communication"]

@@ -8,7 +8,10 @@ reduce-scatter and an all-gather) and 3 Psi at stage 3 (parameters gathered for 
 and again for backward). With m micro-batches per step the engine reduces once per step
 at stages 0-1 (gradients accumulate in the full buffer) but once per micro-batch at
 stages 2-3 (only shards are kept), and stage 3 gathers twice per micro-batch:
-  stage 0-1: 2 Psi    stage 2: (m + 1) Psi    stage 3: 3 m Psi.
+  stage 0-1: 2 Psi    stage 2: (m + 1) Psi    stage 3: 3 m Psi,
+in units of one element of what moves: gradients (all-reduce, reduce-scatter) of
+`grad_bytes` (4 when reduced in fp32, the engine's default for bf16 and fp16), parameters
+(all-gather) of `param_bytes`.
 
 Tensor parallelism (Megatron-LM, arXiv 1909.08053, section 3; Korthikanti et al. 2022,
 section 4.2.2), per micro-batch, with A = e sbh bytes of one activation:
@@ -38,13 +41,22 @@ from .activations import TransformerShape, check_recompute
 
 
 def dp_traffic_bytes(
-    stage: int, psi: int, dp: int, param_bytes: int = 2, micro_batches: int = 1
+    stage: int,
+    psi: int,
+    dp: int,
+    param_bytes: int = 2,
+    micro_batches: int = 1,
+    grad_bytes: int | None = None,
 ) -> float:
-    """Bytes one rank sends per step over the data-parallel group with ring collectives."""
+    """Bytes one rank sends per step over the data-parallel group with ring collectives;
+    gradients of `grad_bytes` per element (default: `param_bytes`)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} must be 0, 1, 2 or 3")
-    passes = {0: 2, 1: 2, 2: micro_batches + 1, 3: 3 * micro_batches}[stage]
-    return passes * param_bytes * psi * (dp - 1) / dp
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
+    # (gradient passes, parameter passes): an all-reduce counts as two passes.
+    m = micro_batches
+    reduced, gathered = {0: (2, 0), 1: (1, 1), 2: (m, 1), 3: (m, 2 * m)}[stage]
+    return (reduced * grad_bytes + gathered * param_bytes) * psi * (dp - 1) / dp
 
 
 def tp_traffic_bytes(
@@ -58,9 +70,11 @@ def tp_traffic_bytes(
     stage: int,
     replicated_params: int,
     recompute_every: int = 1,
+    grad_element: int | None = None,
 ) -> float:
     """Bytes one rank sends per step over the tensor-parallel group (see the docstring);
-    `replicated_params` counts this rank's parameters that are not split across TP."""
+    `replicated_params` counts this rank's parameters that are not split across TP, whose
+    gradients are of `grad_element` bytes (default: `element`, the activations')."""
     check_recompute(recompute)
     if tp == 1:
         return 0.0
@@ -77,6 +91,8 @@ def tp_traffic_bytes(
         all_reduces = 1 + 4 * layers + repeated * recomputed + 1
         per_micro_batch = 2 * ring * activation * all_reduces + loss
     reductions = micro_batches if stage >= 2 else 1
-    gradients = 2 * ring * element * replicated_params * reductions if sequence_parallel else 0
+    grad_element = element if grad_element is None else grad_element
+    gradients = 2 * ring * grad_element * replicated_params * reductions
+    gradients = gradients if sequence_parallel else 0
     norm = 2 * ring * 16
     return micro_batches * per_micro_batch + gradients + norm

@@ -38,9 +38,14 @@ carries the gradients of all before it):
 - backward, embedding: the embedding's weight gradient next to the output layer's and,
   tied, their sum (autograd adds them out of place); then the root bucket's reduction
   with the first unit's still in flight;
-- optimizer step: every gradient shard (stage 0: the full buffer) cast to fp32 in bf16
-  and fp16, all alive until the step returns; fused AdamW, the global norm and stages
-  1-2's all-gather work in place.
+- optimizer step: every gradient shard (stage 0: the full buffer) cast to fp32 when
+  reduced in bf16 or fp16 (`grad_reduce_dtype="bf16"`), all alive until the step returns;
+  fp32 shards are stepped on as they are; fused AdamW, the global norm and stages 1-2's
+  all-gather work in place.
+
+Gradient buffers, carried gradients, reductions in flight and gloo's copies of their
+inputs are counted at the gradient element (4 bytes when reduced in fp32, the default);
+parameters, gathered buckets and activations at the parameter element.
 
 Which moment is the peak, and why (each seen in tests/test_plan_instrument.py):
 - when the activations dominate, at every stage the forward's loss: every activation
@@ -75,7 +80,7 @@ from dataclasses import dataclass
 
 from ..zero.bucket import group_units, max_bucket_numel
 from .activations import TransformerShape, layer_bytes
-from .model_states import bucket_numels, precision_bytes, zero_state_bytes
+from .model_states import bucket_numels, grad_element_bytes, precision_bytes, zero_state_bytes
 
 FP32 = 4
 BACKENDS = ("nccl", "gloo")
@@ -125,10 +130,12 @@ class StepLayout:
     precision: str = "bf16"
     bucket_mb: float = 25.0
     backend: str = "nccl"
+    grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} must be one of {list(BACKENDS)}")
+        grad_element_bytes(self.precision, self.grad_reduce_dtype)
 
 
 def step_peak(
@@ -162,13 +169,25 @@ class _Step:
         shape: TransformerShape | None,
     ) -> None:
         self.layout, self.shape = layout, shape
+        # e: a parameter's (and activation's) element; g: a gradient's in the engine's
+        # buffers, reductions and shards (4 when reduced in fp32). Autograd's own gradients
+        # (the output layer's weight gradient) are e.
         self.e, _ = precision_bytes(layout.precision)
+        self.g = grad_element_bytes(layout.precision, layout.grad_reduce_dtype)
         stage, dp, e = layout.stage, layout.dp, self.e
         self.numels = bucket_numels(root, units, stage, dp, layout.precision, layout.bucket_mb)
         self.shards = [n // dp for n in self.numels] if stage >= 1 else list(self.numels)
         cap = max_bucket_numel(stage, layout.bucket_mb, e)
-        self.bucket = [1 + g for g, group in enumerate(group_units(units, cap)) for _ in group]
-        states = zero_state_bytes(root, units, stage, dp, layout.precision, layout.bucket_mb)
+        self.bucket = [1 + k for k, group in enumerate(group_units(units, cap)) for _ in group]
+        states = zero_state_bytes(
+            root,
+            units,
+            stage,
+            dp,
+            layout.precision,
+            layout.bucket_mb,
+            grad_reduce_dtype=layout.grad_reduce_dtype,
+        )
         # Held for the whole run: parameters, master and moments, stage 0's gradients.
         self.persistent = float(states["parameters"] + states["optimizer"])
         if stage == 0:
@@ -177,7 +196,7 @@ class _Step:
         # reduces in the last backward only), stages 2-3 reduced shards.
         self.carried = 0.0
         if layout.micro_batches > 1 and stage >= 1:
-            self.carried = e * sum(self.numels if stage == 1 else self.shards)
+            self.carried = self.g * sum(self.numels if stage == 1 else self.shards)
         self._activations(len(units))
 
     def _activations(self, layers: int) -> None:
@@ -254,8 +273,8 @@ class _Step:
         if self.layout.stage == 0:
             return 0.0
         if self.layout.stage == 1 and self.carried:
-            return float(self.e * (self.numels[0] + sum(self.numels[1 : bucket + 1])))
-        return float(self.e * (self.numels[0] + (self.numels[bucket] if bucket else 0)))
+            return float(self.g * (self.numels[0] + sum(self.numels[1 : bucket + 1])))
+        return float(self.g * (self.numels[0] + (self.numels[bucket] if bucket else 0)))
 
     def _opens(self, layer: int) -> bool:
         """Whether `layer`'s backward opens its bucket's gradient buffer (the first
@@ -268,12 +287,12 @@ class _Step:
     def _in_flight(self, bucket: int) -> float:
         """A reduce-scatter issued and not yet waited for: its input (the full buffer),
         its shard output and, on gloo, the backend's copy of the input."""
-        return self.e * (self.numels[bucket] + self.shards[bucket]) + self._copy(bucket)
+        return self.g * (self.numels[bucket] + self.shards[bucket]) + self._copy(bucket)
 
     def _copy(self, bucket: int) -> float:
         """gloo's copy of a reduce-scatter's input, made inside the call and released
         when its work is waited for and dropped (torch 2.13's ProcessGroupGloo)."""
-        return float(self.e * self.numels[bucket]) if self.layout.backend == "gloo" else 0.0
+        return float(self.g * self.numels[bucket]) if self.layout.backend == "gloo" else 0.0
 
     def _gather_copy(self, bucket: int) -> float:
         """gloo's staging of an all-gather's output (its own buffer of the output's size,
@@ -354,7 +373,7 @@ class _Step:
                 # Bucket k's buffer opens with its first gradient, the projection's weight
                 # gradient, after the projection's backward released its saved input:
                 # the larger of the moments before and after.
-                opening = self.e * self.numels[k]
+                opening = self.g * self.numels[k]
                 if opening > self.proj_input:
                     activations -= self.proj_input
                 else:
@@ -370,7 +389,7 @@ class _Step:
                 # Bucket k complete: issued (stage 3 frees its gathered buffer), then the
                 # reduction before it is waited for and folded into its shard.
                 issued = self._in_flight(k)
-                buffers = held + self._open(k) - self.e * self.numels[k] + issued + pending
+                buffers = held + self._open(k) - self.g * self.numels[k] + issued + pending
                 name = f"backward, bucket {k} reduced"
                 activations = below + self.residual
                 unseen = self._copy(k)  # the one waited for is seen as it is waited for
@@ -379,7 +398,7 @@ class _Step:
                 )
                 moments.append(moment)
                 if pending and new_shards:
-                    states += self.e * self.shards[k + 1]
+                    states += self.g * self.shards[k + 1]
                 pending, copy = issued, self._copy(k)
         # The embedding's weight gradient; when tied, next to the output layer's and their
         # sum (autograd adds the two out of place: three tables at once, measured by the
@@ -398,15 +417,18 @@ class _Step:
         return moments
 
     def _optimizer_step(self) -> Moment:
-        """hybrid.engine.step: bucket by bucket, the gradient shard (stage 0: the full
-        buffer) is cast to fp32 and kept until the step returns, and the low-precision
-        shard is released; in fp32 the shards are the gradients."""
-        e, stage = self.e, self.layout.stage
+        """hybrid.engine.step: bucket by bucket, a 16-bit gradient shard (stage 0: the
+        full buffer) is cast to fp32 and kept until the step returns, and the 16-bit shard
+        is released; fp32 shards (fp32 precision or reduction) are the gradients, unscaled
+        in place in fp16."""
+        g, stage = self.g, self.layout.stage
         shards = self.shards if stage >= 1 else self.numels
-        if e == FP32:
-            held = 0.0 if stage == 0 else e * sum(shards)
-            return self._moment("optimizer step", self.persistent + held, 0.0, 0.0)
-        buffers = FP32 * sum(shards) + (e * shards[-1] if stage >= 1 else 0.0)
+        if g == FP32:
+            held = 0.0 if stage == 0 else g * sum(shards)
+            states, buffers = self.persistent + held, 0.0
+        else:
+            states = self.persistent
+            buffers = FP32 * sum(shards) + (g * shards[-1] if stage >= 1 else 0.0)
         if self.layout.precision == "fp16":  # the overflow check's boolean masks
             buffers += 2 * max(shards)
-        return self._moment("optimizer step", self.persistent, 0.0, float(buffers))
+        return self._moment("optimizer step", states, 0.0, float(buffers))

@@ -36,7 +36,7 @@ from typing import Any
 from ..topology import check_layout
 from .activations import TransformerShape, activation_bytes, check_recompute
 from .communication import dp_traffic_bytes, tp_traffic_bytes
-from .model_states import model_state_bytes, precision_bytes, zero_state_bytes
+from .model_states import grad_element_bytes, model_state_bytes, precision_bytes, zero_state_bytes
 from .peak import Moment, StepLayout, step_peak
 
 
@@ -67,7 +67,8 @@ class RankParameters:
 class Layout:
     """How a job runs: gpus = dp x tp; ZeRO stage; sequence parallelism; recomputation;
     `micro_batch` sequences per forward; `global_batch` sequences per optimizer step over
-    all DP ranks (None: one micro-batch per rank)."""
+    all DP ranks (None: one micro-batch per rank); `grad_reduce_dtype` the gradients'
+    dtype from accumulation to the optimizer (hybrid.engine.EngineConfig)."""
 
     gpus: int
     tp: int = 1
@@ -79,13 +80,14 @@ class Layout:
     global_batch: int | None = None
     precision: str = "bf16"
     bucket_mb: float = 25.0
+    grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         check_layout(self.gpus, self.tp)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {self.zero_stage} must be 0, 1, 2 or 3")
         check_recompute(self.recompute)
-        precision_bytes(self.precision)
+        grad_element_bytes(self.precision, self.grad_reduce_dtype)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1 (it splits the sequence over TP)")
         if self.micro_batch < 1 or self.recompute_every < 1:
@@ -181,6 +183,7 @@ def plan(
     hardware = hardware or Hardware()
     stage, dp, tp = layout.zero_stage, layout.dp, layout.tp
     element, k = precision_bytes(layout.precision)
+    grad = grad_element_bytes(layout.precision, layout.grad_reduce_dtype)
     notes: list[str] = []
     if params.exact:
         states: dict[str, float] = dict(
@@ -192,13 +195,14 @@ def plan(
                 layout.precision,
                 layout.bucket_mb,
                 layout.micro_batches,
+                layout.grad_reduce_dtype,
             )
         )
         padding: int | None = int(states.pop("padding"))
         buffers: float | None = states.pop("buffers")
         psi_padded = params.psi + padding  # what the DP collectives move
     else:
-        states = model_state_bytes(stage, params.psi, dp, element, k)
+        states = model_state_bytes(stage, params.psi, dp, element, k, grad)
         padding, buffers, psi_padded = None, None, params.psi
         notes.append("a bare parameter count: model states only (no layout, no activations)")
     memory: dict[str, float | None] = dict(states)
@@ -228,6 +232,7 @@ def plan(
             stage,
             params.replicated,
             layout.recompute_every,
+            grad,
         )
     else:
         memory["activations"] = None
@@ -240,7 +245,7 @@ def plan(
         memory["peak"] = memory["model_states"]
     memory["reserved"] = float(reserve)
     memory["total"] = memory["peak"] + reserve
-    dp_bytes = dp_traffic_bytes(stage, psi_padded, dp, element, layout.micro_batches)
+    dp_bytes = dp_traffic_bytes(stage, psi_padded, dp, element, layout.micro_batches, grad)
     communication: dict[str, float | None] = {"dp_bytes": dp_bytes, "tp_bytes": tp_bytes}
 
     time = None
@@ -279,6 +284,7 @@ def step_layout(layout: Layout, backend: str = "nccl") -> StepLayout:
         precision=layout.precision,
         bucket_mb=layout.bucket_mb,
         backend=backend,
+        grad_reduce_dtype=layout.grad_reduce_dtype,
     )
 
 
@@ -293,6 +299,7 @@ def step_time(
 ) -> dict[str, float]:
     """Seconds per optimizer step, by part (see the module docstring)."""
     element, _ = precision_bytes(layout.precision)
+    grad = grad_element_bytes(layout.precision, layout.grad_reduce_dtype)
     tokens = layout.sequences * shape.seq_len
     compute = flops_per_token * tokens / (layout.gpus * hardware.peak_flops * hardware.efficiency)
     m = layout.micro_batches
@@ -305,19 +312,20 @@ def step_time(
 
     tp_time = tp_bytes / link(layout.tp)
     dp, bandwidth = layout.dp, link(layout.tp * layout.dp)
-    one = element * psi_padded * (dp - 1) / dp / bandwidth  # one reduce-scatter or gather
+    ring = psi_padded * (dp - 1) / dp / bandwidth
+    reduce, gather = grad * ring, element * ring  # one reduce-scatter; one all-gather
     stage = layout.zero_stage
     if dp == 1:
         exposed = 0.0
     elif stage == 0:
-        exposed = max(0.0, 2 * one - backward)
+        exposed = max(0.0, 2 * reduce - backward)
     elif stage == 1:
-        exposed = max(0.0, one - backward) + one
+        exposed = max(0.0, reduce - backward) + gather
     elif stage == 2:
-        exposed = m * max(0.0, one - backward) + one
+        exposed = m * max(0.0, reduce - backward) + gather
     else:
-        exposed = m * (max(0.0, one - forward) + max(0.0, 2 * one - backward))
-    dp_time = dp_traffic_bytes(stage, psi_padded, dp, element, m) / bandwidth
+        exposed = m * (max(0.0, gather - forward) + max(0.0, gather + reduce - backward))
+    dp_time = dp_traffic_bytes(stage, psi_padded, dp, element, m, grad) / bandwidth
     seconds = compute + tp_time + exposed
     result = {
         "compute_s": compute,

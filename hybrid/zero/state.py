@@ -4,7 +4,8 @@ Stages 0-2: `param_flat` holds every parameter of the bucket (each parameter's `
 view into it) and `param_shard` is this rank's slice of it. Stage 3: only `param_shard`
 exists between uses (hybrid.zero.gather). `master` is the fp32 copy the optimizer steps
 on: `param_shard` itself when the model is fp32 (no second copy), a separate fp32 tensor
-for bf16 and fp16 (mixed precision, ZeRO's K = 12 bytes per parameter).
+for bf16 and fp16 (mixed precision, ZeRO's K = 12 bytes per parameter). Gradients
+(`grad_flat`, `grad_shard`) are in the engine's gradient dtype (fp32 by default).
 """
 
 from __future__ import annotations
@@ -66,12 +67,18 @@ def initial_values(
 
 @torch.no_grad()
 def materialise(
-    model: nn.Module, bucket: FlatBucket, stage: int, dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    bucket: FlatBucket,
+    stage: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    grad_dtype: torch.dtype | None = None,
 ) -> BucketState:
     """Allocate the bucket's tensors on `device` and fill them from the parameters (or
     their initial values): all of them at stages 0-2, only this rank's shard at stage 3,
     so under stage 3 the full bucket never exists on one rank, and a model built on meta
-    computes (draws) only the elements of that shard."""
+    computes (draws) only the elements of that shard. Stage 0's persistent gradient
+    buffer is of `grad_dtype` (default: `dtype`)."""
     if stage < 3:
         flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
         for i, (name, p) in enumerate(zip(bucket.names, bucket.params, strict=True)):
@@ -88,7 +95,8 @@ def materialise(
             value = initial_values(model, bucket.names[i], bucket.params[i], start, end)
             shard[offset : offset + end - start] = value
     master = shard if dtype == torch.float32 else shard.float()
-    grads = torch.zeros(bucket.numel, dtype=dtype, device=device) if stage == 0 else None
+    grad_dtype = dtype if grad_dtype is None else grad_dtype
+    grads = torch.zeros(bucket.numel, dtype=grad_dtype, device=device) if stage == 0 else None
     state = BucketState(flat, shard, master, grads, [False] * len(bucket.params))
     state.exp_avg, state.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     return state

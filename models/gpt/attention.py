@@ -3,6 +3,7 @@ learned (added to the embeddings elsewhere) or rotary positions."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -61,9 +62,12 @@ class CausalSelfAttention(nn.Module):
         if self.rope_theta is not None:
             # The QKV projection gathered the sequence (under sequence parallelism too), so
             # q and k hold the whole sequence: positions 0 .. s-1.
-            cos, sin = rotary_cos_sin(
-                q.shape[-2], q.shape[-1], self.rope_theta, q.device, positions
-            )
+            if positions is None:  # every layer, every step: one table per shape
+                cos, sin = rotary_table(q.shape[-2], q.shape[-1], self.rope_theta, q)
+            else:  # packed rows: each row's own positions
+                cos, sin = rotary_cos_sin(
+                    q.shape[-2], q.shape[-1], self.rope_theta, q.device, positions
+                )
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = maybe_recompute(self.recompute_core, self._core, q, k, v, mask, rng=self.tp.rng)
         return self.proj(rearrange(y, "b h s d -> s b (h d)"))
@@ -74,17 +78,25 @@ class CausalSelfAttention(nn.Module):
         """q (b, heads, s, d), k and v (b, kv_heads, s, d) -> (b, heads, s, d); `mask`
         (b, 1, s, s) or None (plain causal).
 
-        Without dropout: the fused kernel (flash attention where available), which keeps no
-        s x s tensor. With dropout: the explicit form, which keeps exactly the paper's
-        5as^2b bytes (softmax output, 1-byte mask, dropout output; Korthikanti et al. 4.1);
-        SDPA's CPU fallback would keep three fp32 s x s tensors instead. The heads differ
-        across TP ranks, so the dropout draws from the TP stream.
+        The fused kernel (SDPA: flash or memory-efficient attention where available),
+        which keeps no s x s tensor: without dropout everywhere, and with dropout on CUDA,
+        whose kernels draw the dropout themselves (`dropout_p`). With dropout on CPU: the
+        explicit form, which keeps exactly the paper's 5as^2b bytes (softmax output, 1-byte
+        mask, dropout output; Korthikanti et al. 4.1), where SDPA's CPU fallback would keep
+        three fp32 s x s tensors. The heads differ across TP ranks, so dropout draws from
+        the TP stream (fork() swaps the default generator's state, which SDPA draws from).
         """
-        if not (self.training and self.dropout > 0):
-            gqa = {"enable_gqa": True} if self.group > 1 else {}
+        p = self.dropout if self.training else 0.0
+        if p == 0.0 or q.device.type == "cuda":
+            options = {"enable_gqa": True} if self.group > 1 else {}
             if mask is not None:  # the explicit mask is causal already
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+                options["attn_mask"] = mask
+            else:
+                options["is_causal"] = True
+            if p == 0.0:
+                return F.scaled_dot_product_attention(q, k, v, **options)
+            with self.tp.split_region_rng():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **options)
         seq = q.shape[-2]
         q = q.unflatten(1, (-1, self.group))  # (b, kv, g, s, d): broadcast k, v over g
         k, v = k.unsqueeze(2), v.unsqueeze(2)
@@ -150,6 +162,28 @@ def rotary_cos_sin(
         angles = (positions.to(torch.float32)[..., None] * inverse_frequency).unsqueeze(1)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def rotary_table(
+    seq: int, head_dim: int, theta: float, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_cos_sin for positions 0 .. seq-1, in `like`'s dtype and on its device:
+    computed once per (seq, head_dim, theta, device, dtype) and reused, where every layer
+    of every step would otherwise recompute it. Not cached in inference mode (its tensors
+    could not be saved for a later backward) nor on the meta device."""
+    if torch.is_inference_mode_enabled() or like.device.type == "meta":
+        cos, sin = rotary_cos_sin(seq, head_dim, theta, like.device)
+        return cos.to(like.dtype), sin.to(like.dtype)
+    return _cached_rotary_table(seq, head_dim, theta, like.device, like.dtype)
+
+
+@functools.lru_cache(maxsize=16)  # a few sequence lengths x devices x dtypes in a job
+def _cached_rotary_table(
+    seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        cos, sin = rotary_cos_sin(seq, head_dim, theta, device)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
