@@ -60,6 +60,16 @@ class PlanError(ValueError):
     """Bad input; the message names the option and the fix."""
 
 
+def device_type(args: argparse.Namespace) -> str:
+    """The device the planned run computes on: `args.device_type` when the caller knows
+    it (the rehearsal runs NCCL's layout on this machine's device), else the backend's
+    (NCCL on CUDA, gloo on CPU)."""
+    given = getattr(args, "device_type", None)
+    if given is not None:
+        return given
+    return "cuda" if getattr(args, "backend", "nccl") == "nccl" else "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A preset's model (shape and parameters per tp), or a bare parameter count."""
@@ -87,7 +97,7 @@ class Model:
         self.check(layout)
         shape = flops = model_flops = None
         if self.config is not None:
-            shape = transformer_shape(self.config, self.seq_len)
+            shape = transformer_shape(self.config, self.seq_len, device_type(args))
             window = with_seq_len(self.config, self.seq_len)
             model_flops = flops_per_token(window)
             extra = recompute_flops_per_token(window, layout.recompute, layout.recompute_every)

@@ -105,14 +105,18 @@ def model_config(config: Config) -> tuple[GPTConfig, int]:
     return model, min(n_tokens, model.vocab_size or n_tokens)
 
 
-def planned(request: Request, hardware: Hardware | None = None) -> Plan:
-    """The planner's plan of this rank's layout; collectives as NCCL's (the fake group,
-    like NCCL, allocates nothing of its own)."""
+def planned(request: Request, hardware: Hardware | None = None, device_type: str = "cpu") -> Plan:
+    """The planner's plan of this rank's layout on `device_type`; collectives as NCCL's
+    (the fake group, like NCCL, allocates nothing of its own)."""
     config = request.config
     model, _ = model_config(config)
     layout = Layout(gpus=request.world, **layout_options(config))
     args = Namespace(
-        gpu_memory=None, reserve=RESERVE, hardware=hardware or Hardware(), backend="nccl"
+        gpu_memory=None,
+        reserve=RESERVE,
+        hardware=hardware or Hardware(),
+        backend="nccl",
+        device_type=device_type,
     )
     return Model(request.name, model, config.train.seq_len or model.seq_len).plan(layout, args)
 
@@ -145,7 +149,7 @@ def check(request: Request, device: torch.device) -> Plan:
     except ConfigError as error:
         raise RehearsalError(f"{error} (--world {request.world})") from None
     try:
-        plan = planned(request)
+        plan = planned(request, device_type=device.type)
     except ValueError as error:
         raise RehearsalError(str(error)) from None
     limit, source = (request.memory_limit, "--memory-limit")
@@ -156,17 +160,17 @@ def check(request: Request, device: torch.device) -> Plan:
         raise RehearsalError(
             f"rank {request.rank}'s planned peak, {format_bytes(need - RESERVE)} (+ "
             f"{format_bytes(RESERVE)} for the process), exceeds the {format_bytes(limit)} "
-            f"{source}; {fitting_layers_hint(request, limit)}"
+            f"{source}; {fitting_layers_hint(request, limit, device.type)}"
         )
     return plan
 
 
-def fitting_layers_hint(request: Request, limit: int) -> str:
+def fitting_layers_hint(request: Request, limit: int, device_type: str = "cpu") -> str:
     """The most layers that fit, for --layers, or the advice that none does."""
     n = request.config.model.n_layer
     for layers in range(n - 1, 0, -1):
         smaller = dataclasses.replace(request, config=with_layers(request.config, layers))
-        if (planned(smaller).memory["peak"] or 0.0) + RESERVE <= limit:
+        if (planned(smaller, device_type=device_type).memory["peak"] or 0.0) + RESERVE <= limit:
             return f"rehearse --layers {layers} (of {n}), or a layout with less per rank"
     return "even one layer does not fit: choose a layout with less per rank"
 

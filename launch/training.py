@@ -185,7 +185,9 @@ def train(
     model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
     planned = planned_peak_bytes(config, model.config, env.world_size, env.device.type)
     # The planner's model FLOPs per token and the device's peak, for each step's MFU.
-    utilization = Utilization.for_run(model.config, window, env.world_size, t.peak_tflops, env.device)
+    utilization = Utilization.for_run(
+        model.config, window, env.world_size, t.peak_tflops, env.device
+    )
     engine = Engine(
         model, topology, tp, engine_config(config, dp), units=list(model.blocks), device=env.device
     )

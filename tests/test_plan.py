@@ -203,6 +203,33 @@ def test_layer_formula_reduces_to_korthikanti_table_2() -> None:
             assert ours == paper_layer_bytes(s, b, h, a, t, sp, mode) + mask
 
 
+def test_dropout_on_cuda_keeps_no_attention_core() -> None:
+    """The planner follows the attention path models.gpt.attention takes: with dropout on
+    CUDA, SDPA draws it in the kernel and keeps only the log-sum-exp, as without dropout;
+    only the residual branches' 1-byte masks (2 sbh) remain. On CPU the explicit core."""
+    config = dataclasses.replace(MODELS["gpt2"][0], dropout=0.1)
+    plain = dataclasses.replace(config, dropout=0.0)
+    s, h = config.seq_len, config.d_model
+    for t, sp in ((1, False), (2, True)):
+        on = {
+            d: layer_bytes(transformer_shape(config, None, d), 2, t, sp, "none", 2)
+            for d in ("cpu", "cuda")
+        }
+        without = layer_bytes(transformer_shape(plain), 2, t, sp, "none", 2)
+        assert on["cuda"] == without + 2 * s * 2 * h / (t if sp else 1)
+        explicit = (2 * 2 + 1) * config.n_head * s * s * 2 / t + s * s
+        core = 4 * config.n_head * s * 2 / t  # the fused kernel's log-sum-exp
+        assert on["cpu"] == on["cuda"] - core + explicit
+    # launch.plan plans CUDA for NCCL and the CPU core for gloo.
+    args = ["--config", "gpt2-124m", "model.dropout=0.1", "--gpus", "1", "--backend"]
+    nccl, gloo = (run_plan([*args, b]) for b in ("nccl", "gloo"))
+    preset = load_config(PRESET_DIR / "gpt2-124m.yaml")
+    s, a, b = preset.model.seq_len, preset.model.n_head, nccl["layout"]["micro_batch"]
+    core = (2 * 2 + 1) * a * s * s * b + s * s - 4 * a * s * b
+    moved = gloo["activation_parts"]["layers"] - nccl["activation_parts"]["layers"]
+    assert moved == preset.model.n_layer * core
+
+
 def test_closed_form_buckets_equal_the_meta_model() -> None:
     """Parameters per TP rank and the padded buckets, from the config alone, equal the
     model built on the meta device and laid out by the engine's own build_buckets."""

@@ -14,10 +14,11 @@ also holds for fp32, another MLP width, grouped-query heads, SwiGLU, and no drop
     attention output (projection input): e sb a d
     MLP: GELU input and output 2 e sb f; SwiGLU gate|up, silu(gate), product 4 e sb f
   attention core, split across TP:
-    with dropout: softmax, its 1-byte mask, dropout output: (2e + 1) a s^2 b, plus our
-      s x s boolean causal mask (once per layer)
-    without dropout the model calls the fused kernel (flash attention), which keeps only
-      the log-sum-exp per row, fp32: 4 a s b; the output is the projection input above.
+    with dropout on CPU (the explicit form): softmax, its 1-byte mask, dropout output:
+      (2e + 1) a s^2 b, plus our s x s boolean causal mask (once per layer)
+    otherwise the fused kernel (SDPA's flash or memory-efficient attention; on CUDA it
+      draws the dropout itself and regenerates it in backward), which keeps only the
+      log-sum-exp per row, fp32: 4 a s b; the output is the projection input above.
 With e = 2, d = h/a, f = 4h and dropout this is the paper's sbh(10 + 24/t + 5as/(ht)).
 Selective recomputation (section 5) drops the core's terms; full recomputation keeps
 only each layer's input, e sbh (/t with SP), and re-runs one layer at a time in backward,
@@ -25,9 +26,10 @@ whose working set (one layer without recomputation) comes on top.
 
 Outside the layers (section 4.3): the embedding's dropout mask, sbh (/t with SP); the
 final norm's and the output layer's inputs, 2 e sbh (/t with SP); the loss's fp32
-softmax over this rank's vocabulary slice, 4 sb v/t. The loss also needs transient
-buffers while it runs: the low-precision logits, their fp32 copy (none in fp32) and the
-max-shifted copy whose exponential becomes the softmax, (e + 4 + 4) sb v/t in bf16.
+softmax over this rank's vocabulary slice, 4 sb v/t. The loss also holds the logits
+while it runs (e sb v/t): its one fp32 buffer (a copy of bf16 logits, the shifted copy of
+fp32 ones) becomes the exponentials and then the softmax in place
+(hybrid.tensor_parallel.cross_entropy).
 
 Not counted (each under 1% at h >= 64): norm statistics (2 per token), token ids.
 """
@@ -53,7 +55,10 @@ class TransformerShape:
     gated_mlp: bool  # SwiGLU: gate and up projections
     vocab: int  # padded vocabulary (the model's table)
     seq_len: int  # tokens per training sequence
-    dropout: bool  # dropout > 0: masks kept, explicit attention core
+    dropout: bool  # dropout > 0: 1-byte masks kept on the residual branches
+    # The attention kernel draws the dropout itself (SDPA on CUDA) and keeps no s x s
+    # tensor; False: with dropout, the explicit core of models/gpt/attention.py (CPU).
+    dropout_in_kernel: bool = False
     # The token embedding doubles as the output layer: autograd then holds the output
     # layer's weight gradient through backward until the embedding's part is added to it.
     tied_embeddings: bool = True
@@ -100,7 +105,7 @@ def layer_bytes(
     mlp = (4 if shape.gated_mlp else 2) * shape.ffn
     split = e * s * b * (qkv + shape.heads * shape.head_dim + mlp) / t
     core = 0.0
-    if recompute == "none" and shape.dropout:
+    if recompute == "none" and shape.dropout and not shape.dropout_in_kernel:
         core = (2 * e + 1) * shape.heads * s * s * b / t + s * s
     elif recompute == "none":
         core = 4 * shape.heads * s * b / t
@@ -133,7 +138,7 @@ def activation_bytes(
         "embedding": (s * b * h / chunk) if shape.dropout else 0.0,
         "output": 2 * element * s * b * h / chunk,
         "loss": 4 * s * b * local_vocab,
-        "loss_buffers": (element + (4 if element != 4 else 0) + 4) * s * b * local_vocab,
+        "loss_buffers": element * s * b * local_vocab,  # the logits, while the loss runs
     }
     parts["total"] = sum(parts.values())
     return parts

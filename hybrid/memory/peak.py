@@ -18,12 +18,12 @@ carries the gradients of all before it):
 - forward, layer l: activations of the layers before l and all of layer l's; at stage 3
   the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather);
 - forward, loss: every layer's activations, the final norm's and the output layer's
-  input, and the cross-entropy's working set on this rank's logits (the low-precision
-  logits, their fp32 copy, the shifted copy and its exponential: e + 12 bytes per logit
-  in bf16, 12 in fp32); stage 3 holds the root bucket through the whole forward;
-- backward, loss: the saved softmax, its gradient and the gradient cast to the logits'
-  dtype (4 + 4 + e bytes per logit; 8 in fp32); stage 3 gathers the root bucket and
-  prefetches the last unit as backward starts;
+  input, and the cross-entropy's working set on this rank's logits: the logits and the
+  one fp32 buffer that becomes the softmax in place (e + 4 bytes per logit; 8 in fp32);
+  stage 3 holds the root bucket through the whole forward;
+- backward, loss: the saved softmax turned into its gradient in place, and that gradient
+  cast to the logits' dtype (4 + e bytes per logit; 4 in fp32); stage 3 gathers the root
+  bucket and prefetches the last unit as backward starts;
 - backward, output layer: the logits' gradient and the output weight's gradient (held
   by autograd until the embedding's part is added when the embeddings are tied);
 - backward, layer l (from the last): activations of layers <= l (a fully recomputed
@@ -48,9 +48,9 @@ inputs are counted at the gradient element (4 bytes when reduced in fp32, the de
 parameters, gathered buckets and activations at the parameter element.
 
 Which moment is the peak, and why (each seen in tests/test_plan_instrument.py):
-- when the activations dominate, at every stage the forward's loss: every activation
-  is alive and the cross-entropy's fp32 working set comes on top (4 bytes per logit more
-  than in its backward);
+- when the activations dominate, at every stage the loss: every activation is alive and
+  the cross-entropy's working set comes on top (e + 4 bytes per logit in forward and in
+  backward in bf16; in fp32 forward holds 4 more, so the forward's loss);
 - stage 0 otherwise: the last layer's backward (all activations but the output's, the
   tied output weight's gradient, the layer's transients), or in mixed precision the
   optimizer step (4 Psi of fp32 gradients over 16 Psi of model states);
@@ -226,11 +226,13 @@ class _Step:
         tokens = shape.seq_len * layout.micro_batch
         vocab = -(-shape.vocab // t)  # this rank's vocabulary slice
         chunk = t if layout.sequence_parallel else 1
-        cast = FP32 if e != FP32 else 0  # the loss's fp32 copy of the logits
         self.embedding = tokens * h / chunk if shape.dropout else 0.0  # its 1-byte mask
         self.output = 2 * e * tokens * h / chunk  # the final norm's input and output
-        self.loss_forward = (e + cast + 2 * FP32) * tokens * vocab
-        self.loss_backward = (2 * FP32 + (e if cast else 0)) * tokens * vocab
+        # hybrid.tensor_parallel.cross_entropy: forward holds the logits and one fp32
+        # buffer (becoming the softmax); backward turns that into the gradient in place,
+        # which autograd casts to the logits' dtype when they are not fp32.
+        self.loss_forward = (e + FP32) * tokens * vocab
+        self.loss_backward = (FP32 + (e if e != FP32 else 0)) * tokens * vocab
         self.logit_grad = e * tokens * vocab
         self.residual = e * tokens * h / chunk
         # Under sequence parallelism a linear layer's backward gathers the whole sequence

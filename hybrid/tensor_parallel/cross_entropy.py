@@ -42,10 +42,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         columns = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
         if vocab_start + local_vocab > n_real:
             padding = columns >= n_real
-            if logits is given:
+            if logits is given:  # fp32 logits: this copy is the one buffer of the loss
                 logits = logits.masked_fill(padding, float("-inf"))
             else:
                 logits.masked_fill_(padding, float("-inf"))
+        owned = logits is not given
         global_max = logits.max(dim=-1).values
         group.all_reduce(global_max, op=dist.ReduceOp.MAX)
         local_target = targets - vocab_start
@@ -53,9 +54,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = local_target.masked_fill(~mine, 0).unsqueeze(-1)
         target_logit = torch.gather(logits, -1, index).squeeze(-1) - global_max
         # exp(logits - max) in our own fp32 copy when there is one (bf16 logits, padding
-        # masked); the caller's fp32 logits are never written.
-        shifted = logits.sub_(global_max.unsqueeze(-1)) if logits is not given else None
-        exp = (shifted if shifted is not None else logits - global_max.unsqueeze(-1)).exp_()
+        # masked), else in a new one; the caller's fp32 logits are never written.
+        shift = global_max.unsqueeze(-1)
+        exp = (logits.sub_(shift) if owned else logits - shift).exp_()
         del logits, given
         sums = torch.stack([exp.sum(dim=-1), target_logit.masked_fill(~mine, 0.0)])
         group.all_reduce(sums)  # (sum of exp, target logit - max) over the whole vocabulary

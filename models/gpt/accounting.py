@@ -74,9 +74,13 @@ def rank_parameters(config: GPTConfig, tp: int) -> RankParameters:
     )
 
 
-def transformer_shape(config: GPTConfig, seq_len: int | None = None) -> TransformerShape:
+def transformer_shape(
+    config: GPTConfig, seq_len: int | None = None, device_type: str = "cpu"
+) -> TransformerShape:
     """The dimensions activation memory and TP traffic depend on; `seq_len` is the
-    training window (train.seq_len) when shorter than the model's."""
+    training window (train.seq_len) when shorter than the model's; `device_type` picks
+    the attention path the model takes with dropout (models.gpt.attention: on CUDA the
+    fused kernel draws it, on CPU the explicit core keeps s x s tensors)."""
     return TransformerShape(
         layers=config.n_layer,
         hidden=config.d_model,
@@ -88,6 +92,7 @@ def transformer_shape(config: GPTConfig, seq_len: int | None = None) -> Transfor
         vocab=_vocab(config),
         seq_len=seq_len or config.seq_len,
         dropout=config.dropout > 0,
+        dropout_in_kernel=device_type == "cuda",
     )
 
 
