@@ -10,6 +10,8 @@
 #    allocator's peak beside MemTracker's.
 # 2. The 1.5B MFU measurement of benchmarks/compare/gpu.py (ours and plain PyTorch, with
 #    and without recomputation, at the largest micro-batch that fits).
+# 3. A short bf16 pretraining run of gpt2-124m on the bundled corpus (launch.pretrain): the
+#    MFU and the CUDA allocator's peak that the run itself logs (metrics.jsonl, summary).
 # Each step has its own time limit, so one that hangs cannot take the others' time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +26,8 @@ if [[ "${1:-}" == "--cpu" ]]; then
     "--config tiny --world 4 --rank 3 parallel.tp=2 parallel.zero_stage=3 parallel.recompute=selective"
   )
   section=(--gpu-device cpu --gpu-model tiny --gpu-micro-batches 1 2 --gpu-steps 2)
+  # No peak is known on the CPU: one given, so that the MFU columns show.
+  pretrain="--config tiny train.steps=6 train.eval_every=6 train.peak_tflops=1"
   limit=120
 else
   rehearsals=(
@@ -31,6 +35,7 @@ else
     "--config turing-nlg-17b --world 256 --rank 255 parallel.zero_stage=3 parallel.recompute=selective"
   )
   section=(--gpu-micro-batches 1 2 4 8 16 --gpu-steps 5)
+  pretrain="--config gpt2-124m train.steps=30 train.global_batch_size=8 train.micro_batch_size=8 train.warmup_steps=5 train.eval_every=30 train.eval_batches=2"
   limit=150
 fi
 
@@ -51,4 +56,19 @@ done
 { echo "## benchmarks/gpu_section.py ${section[*]}"; echo; } >> "$OUT"
 timeout 240 $PY benchmarks/gpu_section.py "${section[@]}" --out "$tmp/section.md" > "$tmp/section.log" 2>&1 \
   && cat "$tmp/section.md" >> "$OUT" || { echo "failed:"; tail -5 "$tmp/section.log"; } >> "$OUT"
+# shellcheck disable=SC2086
+if timeout "$limit" $PY -m launch.pretrain $pretrain run_dir="$tmp/run" tracking.wandb.mode=disabled sample.tokens=0 > "$tmp/pretrain.txt" 2>&1; then
+  {
+    echo "## python -m launch.pretrain $pretrain"
+    echo
+    echo "The last step's metrics.jsonl record, and the run's summary:"
+    echo
+    echo '```'
+    grep '"loss"' "$tmp/run/metrics.jsonl" | tail -1
+    tail -3 "$tmp/pretrain.txt"
+    echo '```'
+  } >> "$OUT"
+else
+  { echo "## python -m launch.pretrain $pretrain: failed"; echo; echo '```'; tail -5 "$tmp/pretrain.txt"; echo '```'; } >> "$OUT"
+fi
 echo "written $OUT"

@@ -258,6 +258,7 @@ def load_engine(engine: Engine, directory: Path) -> None:
     checkpoint without Adam's moments (launch.convert --from-hf) leaves them zero: a fresh
     start of the optimizer, said in a warning."""
     saved = SafeReader(str(directory)).read_metadata().state_dict_metadata
+    engine.wait_for_parameters()  # a gather in flight reads the shards the load writes
     state = _state_dict(engine)
     missing = [key for key in state if key not in saved]
     weights = [key for key in missing if key.startswith("model.")]

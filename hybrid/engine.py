@@ -46,6 +46,7 @@ from .topology import Topology
 from .zero.accounting import model_state_bytes, nbytes, transient_bytes
 from .zero.bucket import build_buckets, max_bucket_numel
 from .zero.gather import ParameterGatherer
+from .zero.publish import ParameterPublisher
 from .zero.state import materialise, replace_meta_parameters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,6 +73,10 @@ class EngineConfig:
     # keeps them in the 16-bit compute dtype (bf16 or fp16): half the reduction traffic.
     # fp32 precision reduces in fp32 either way.
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16
+    # Stages 1-2: each bucket's parameter all-gather after the step is waited for just
+    # before the first forward that reads it (hybrid.zero.publish), so it overlaps the
+    # next forward; False waits for all of them in the step. Same values either way.
+    overlap_param_gather: bool = True
 
 
 @dataclass
@@ -146,6 +151,17 @@ class Engine:
                 self.buckets, [s.param_shard for s in self.states], self.dp, self.dtype, device
             )
             self.gatherer.hook(model, units)
+        self.publisher: ParameterPublisher | None = None
+        if self.stage in (1, 2):
+            self.publisher = ParameterPublisher(
+                [s.param_flat for s in self.states], [s.param_shard for s in self.states], self.dp
+            )
+            self.publisher.hook(model, units, lambda unit: self._bucket_of(unit))
+
+    def _bucket_of(self, unit: nn.Module) -> int:
+        """The bucket holding `unit`'s parameters (a unit never spans two)."""
+        first = next(unit.parameters(), None)
+        return self._where[id(first)][0] if first is not None else 0
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """torch AdamW over the master shard's kind segments: decay and no-decay groups.
@@ -291,6 +307,7 @@ class Engine:
     def step(self, lr: float) -> StepStats:
         """Clip, step AdamW on this rank's fp32 shard, publish the new parameters."""
         self._micro_step = 0
+        self.wait_for_parameters()  # in fp32 the master stepped on is a gather's input
         if self.gatherer is not None:
             self.gatherer.check_idle()
         grads = []
@@ -369,24 +386,23 @@ class Engine:
 
     def publish_masters(self) -> None:
         """Write the updated fp32 master into the parameters' shard (the same memory in
-        fp32), then all-gather the shards at stages 1-2; stage 3 keeps only the shard."""
+        fp32), then all-gather the shards at stages 1-2 (hybrid.zero.publish: waited for
+        by the next forward, bucket by bucket, unless overlap_param_gather is off); stage
+        3 keeps only the shard."""
+        self.wait_for_parameters()
         for state in self.states:
             if state.master is not state.param_shard:
                 state.param_shard.copy_(state.master)
-        if self.stage in (1, 2):
-            # In place: the shard is this rank's slice of the output, where the gather
-            # puts it anyway (NCCL documents this case; gloo copies it onto itself).
-            # At most two in flight: gloo stages each gather's output in a buffer of its
-            # own until it is waited for, so issuing every bucket at once would hold a
-            # second copy of all the parameters (measured: +0.3 GB of peak RSS on an
-            # 85M-parameter fp32 rank).
-            pending: list[Handle] = []
-            for state in self.states:
-                if len(pending) == 2:
-                    pending.pop(0).wait()
-                pending.append(self.dp.all_gather_into(state.param_flat, state.param_shard))
-            for handle in pending:
-                handle.wait()
+        if self.publisher is not None:
+            self.publisher.start()
+            if not self.config.overlap_param_gather:
+                self.publisher.wait_all()
+
+    def wait_for_parameters(self) -> None:
+        """Stages 1-2: every parameter gathered, nothing in flight. For whatever reads the
+        parameters other than through forward, or writes the shards (a checkpoint load)."""
+        if self.publisher is not None:
+            self.publisher.wait_all()
 
     # ---- the full model (hybrid.full_state) ------------------------------------------------
 

@@ -60,6 +60,7 @@ def full_tensors(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
     iterator to its end (it gathers over DP and TP). A yielded tensor may be a view of a
     buffer that is freed once the iterator moves on: copy or write it before then."""
     specs = parameter_shards(engine.module)
+    engine.wait_for_parameters()  # stages 1-2: the step's gathers may still be in flight
     gatherer = engine.gatherer
     for index, bucket in enumerate(engine.buckets):
         if gatherer is not None:

@@ -69,6 +69,7 @@ def one_step(
         engine.backward(engine(ids[:, :-1], ids[:, 1:]))
     backward_bytes = dict(topology.counter.bytes)
     stats = engine.step(1e-3)
+    engine.wait_for_parameters()  # the step's all-gather, issued in part by the next forward
     assert not stats.skipped
     layout = [
         {

@@ -645,6 +645,117 @@ MUTATIONS = [
             "test_pretraining_reads_a_shard_folder_in_place_and_names_a_missing_shard",
         ),
     ),
+    Mutation(
+        "clone the softmax in the cross-entropy's backward",
+        "hybrid/tensor_parallel/cross_entropy.py",
+        "        grad = softmax  # in place: the softmax is needed by nothing else\n",
+        "        grad = softmax.clone()\n",
+        ("tests/test_cross_entropy_memory.py",),
+    ),
+    Mutation(
+        "recompute RoPE's tables in every layer",
+        "models/gpt/attention.py",
+        "    return _cached_rotary_table(seq, head_dim, theta, like.device, like.dtype)\n",
+        "    return _cached_rotary_table.__wrapped__(\n"
+        "        seq, head_dim, theta, like.device, like.dtype\n"
+        "    )\n",
+        ("tests/test_rotary_cache.py::test_tables_are_computed_once_and_change_nothing",),
+    ),
+    Mutation(
+        "cache RoPE's tables in inference mode too",
+        "models/gpt/attention.py",
+        '    if torch.is_inference_mode_enabled() or like.device.type == "meta":\n',
+        '    if like.device.type == "meta":\n',
+        ("tests/test_rotary_cache.py::test_inference_mode_tables_are_not_kept_for_training",),
+    ),
+    Mutation(
+        "micro-batch accumulation rounded to bf16 again (the sum cast to the gradient's dtype)",
+        "hybrid/engine.py",
+        "            view.add_(param.grad)"
+        "  # in fp32 buffers: the 16-bit gradient summed in fp32\n",
+        "            view.copy_(view.to(param.grad.dtype) + param.grad)\n",
+        (
+            "tests/test_grad_reduce.py::test_fp32_shard_equals_the_fp32_sum_of_bf16_micro_batch_gradients",
+        ),
+    ),
+    Mutation(
+        "fp16 loss scale divided only when the shard is cast (not for fp32 shards)",
+        "hybrid/engine.py",
+        "            if grad.dtype != torch.float32:\n"
+        "                grad = grad.float()\n"
+        "            if self.loss_scale != 1.0:"
+        "  # fp16: unscaled in fp32, the shard's own if fp32\n"
+        "                grad /= self.loss_scale\n",
+        "            if grad.dtype != torch.float32:\n"
+        "                grad = grad.float()\n"
+        "                if self.loss_scale != 1.0:\n"
+        "                    grad /= self.loss_scale\n",
+        ("tests/test_grad_reduce.py::test_fp16_loss_scale_is_divided_out_of_fp32_shards",),
+    ),
+    Mutation(
+        "planner counts gradients at the parameter element size whatever grad_reduce_dtype",
+        "hybrid/memory/model_states.py",
+        '    return 4 if grad_reduce_dtype == "fp32" else element\n',
+        "    return element\n",
+        ("tests/test_grad_reduce.py::test_planner_follows_the_setting",),
+    ),
+    Mutation(
+        "MFU forgets that the step's tokens/s is shared by every device (world size)",
+        "launch/mfu.py",
+        "    return model_flops_per_token * tokens_per_s / world_size / peak\n",
+        "    return model_flops_per_token * tokens_per_s / peak\n",
+        ("tests/test_mfu.py::test_mfu_shares_the_step_over_the_world",),
+    ),
+    Mutation(
+        "MFU counts full recomputation's FLOPs instead of the model's (the planner's)",
+        "launch/mfu.py",
+        "        per_token = flops_per_token(with_seq_len(model, seq_len))\n",
+        "        per_token = flops_per_token(with_seq_len(model, seq_len), True)\n",
+        ("tests/test_mfu.py::test_logged_mfu_is_the_planners_flops_at_the_logged_speed",),
+    ),
+    Mutation(
+        "the bar shows the RSS/above-baseline figure instead of the CUDA allocator's peak",
+        "launch/tracking.py",
+        '        memory = metrics.get("device_mem_bytes", metrics.get("peak_mem_bytes"))\n',
+        '        memory = metrics.get("peak_mem_bytes")\n',
+        ("tests/test_mfu.py::test_bar_shows_mfu_and_memory_in_gib",),
+    ),
+    Mutation(
+        "the planner's cross-entropy terms of the cloning loss (e + 12 bytes per logit)",
+        "hybrid/memory/peak.py",
+        "        self.loss_forward = (e + FP32) * tokens * vocab\n",
+        "        self.loss_forward = (e + 3 * FP32) * tokens * vocab\n",
+        ("tests/test_rehearse.py::test_peak_and_categories_within_10_percent_of_the_planner",),
+    ),
+    Mutation(
+        "the planner keeps the explicit attention core with dropout on CUDA too",
+        "hybrid/memory/activations.py",
+        '    if recompute == "none" and shape.dropout and not shape.dropout_in_kernel:\n',
+        '    if recompute == "none" and shape.dropout:\n',
+        ("tests/test_plan.py::test_dropout_on_cuda_keeps_no_attention_core",),
+    ),
+    Mutation(
+        "launch.plan plans the CPU attention path for NCCL runs",
+        "launch/plan.py",
+        '    return "cuda" if getattr(args, "backend", "nccl") == "nccl" else "cpu"\n',
+        '    return "cpu"\n',
+        ("tests/test_plan.py::test_dropout_on_cuda_keeps_no_attention_core",),
+    ),
+    Mutation(
+        "stages 1-2 wait for every parameter gather in the step (no overlap)",
+        "hybrid/zero/publish.py",
+        "        self._queued = list(range(len(self.flats)))\n        self._issue()\n",
+        "        self._queued = list(range(len(self.flats)))\n        self._issue()\n"
+        "        self.wait_all()\n",
+        ("tests/test_param_gather_overlap.py",),
+    ),
+    Mutation(
+        "no forward pre-hook waits for a unit's bucket (forward reads parameters in flight)",
+        "hybrid/zero/publish.py",
+        "            unit.register_forward_pre_hook(lambda module, args, k=bucket: before(k))\n",
+        "",
+        ("tests/test_param_gather_overlap.py",),
+    ),
 ]
 
 

@@ -54,6 +54,7 @@ def snapshot(engine: Engine) -> dict[str, torch.Tensor]:
     """Every state tensor this rank keeps across steps, copied: per bucket its parameters
     (the full flat buffer at stages 0-2, the shard at 3), the fp32 master shard and Adam's
     moments, and each Adam step counter."""
+    engine.wait_for_parameters()  # the last step's all-gathers (stages 1-2) have landed
     out = {}
     for k, state in enumerate(engine.states):
         out[f"bucket{k}.params"] = state.param_storage.clone()

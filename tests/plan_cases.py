@@ -133,6 +133,7 @@ def engine_step(
         ids = torch.randint(0, config.vocab_size, (MICRO_BATCH, config.seq_len + 1), generator=g)
         engine.backward(engine(ids[:, :-1], ids[:, 1:]))
     engine.step(1e-4)
+    engine.wait_for_parameters()  # the step's all-gather, issued in part by the next forward
     return {
         "model": name,
         "tp": tp,

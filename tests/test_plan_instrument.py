@@ -36,6 +36,7 @@ from hybrid.memory import (
     Plan,
     RankParameters,
     bucket_numels,
+    grad_element_bytes,
     plan,
     precision_bytes,
     step_layout,
@@ -172,17 +173,17 @@ def check_stage_3_releases_its_buckets_as_the_instrument_sees(measured: list[dic
 def check_engine_model_state_bytes_against_the_instrument(measured: list[dict]) -> None:
     """After the last backward the tracker holds the model states and nothing else but
     the loss and the token ids (under 0.1%), and at stages 1-3 possibly gloo's copy of
-    the last reduce-scatter's input (the root bucket), which gloo's worker thread may
-    release a moment after the wait; their parameters' storage and Adam's moments are the
-    engine's, category by category."""
+    the last reduce-scatter's input (the root bucket, at the gradient element: fp32 by
+    default), which gloo's worker thread may release a moment after the wait; their
+    parameters' storage and Adam's moments are the engine's, category by category."""
     for result in measured:
         engine, held = result["engine"], result["after_backward"]
         states = engine["parameters"] + engine["gradients"] + engine["optimizer"]
         case = result["case"]
         params = rank_parameters(model_config(case), case["tp"])
-        element, _ = precision_bytes(case["precision"])
         root = bucket_numels(params.root, params.units, case["stage"], 2, case["precision"], 25)
-        lingering = element * root[0] if case["stage"] >= 1 else 0
+        grad = grad_element_bytes(case["precision"], case.get("grad_reduce_dtype", "fp32"))
+        lingering = grad * root[0] if case["stage"] >= 1 else 0
         extra = held["Total"] - states
         assert 0 <= extra <= lingering + 1e-3 * states, (name(result), extra, lingering)
         storage = 0 if result["case"]["stage"] == 3 else engine["parameters"]

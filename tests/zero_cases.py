@@ -116,6 +116,7 @@ def fp16_overflow() -> list[dict[str, Any]]:
             engine.backward(loss)
             before = model.blocks[0].mlp.fc.weight.detach().clone()
             stats = engine.step(LR)
+            engine.wait_for_parameters()  # read outside forward: the gathers must end first
             changed = not torch.equal(before, model.blocks[0].mlp.fc.weight.detach())
             records.append(
                 {"skipped": stats.skipped, "scale": stats.loss_scale, "changed": changed}

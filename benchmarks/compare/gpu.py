@@ -27,14 +27,12 @@ from typing import Any
 
 import torch
 
+from launch.mfu import peak_flops
 from models.gpt import GPT, GPTConfig, flops_per_token
 
 from .metrics import PeakMeter
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# Dense bf16 peak FLOP/s by device name (vendor data sheets, SXM parts).
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 
 
 def model_config(name: str) -> GPTConfig:
@@ -157,10 +155,8 @@ def _launch(job: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def _peak_flops(args: argparse.Namespace) -> float | None:
-    if args.gpu_peak_tflops:
-        return args.gpu_peak_tflops * 1e12
-    name = torch.cuda.get_device_name(0)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    """--gpu-peak-tflops, else the training runs' own table (launch.mfu)."""
+    return peak_flops(args.gpu_peak_tflops or None, torch.device("cuda", 0))
 
 
 def section(args: argparse.Namespace) -> list[str]:

@@ -16,7 +16,9 @@ Each moment adds three kinds of bytes, each alive then by the engine's code
 The moments, for the last micro-batch of a step (earlier ones hold less: the last one
 carries the gradients of all before it):
 - forward, layer l: activations of the layers before l and all of layer l's; at stage 3
-  the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather);
+  the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather); at
+  stages 1-2 on gloo, in the first micro-batch, the staging of the two buckets after l's
+  whose all-gathers are in flight (hybrid.zero.publish);
 - forward, loss: every layer's activations, the final norm's and the output layer's
   input, and the cross-entropy's working set on this rank's logits: the logits and the
   one fp32 buffer that becomes the softmax in place (e + 4 bytes per logit; 8 in fp32);
@@ -303,23 +305,32 @@ class _Step:
             return 0.0
         return float(self.e * self.numels[bucket]) if 0 <= bucket < len(self.numels) else 0.0
 
+    def _publish_copy(self, bucket: int) -> float:
+        """Stages 1-2 on gloo: the staging of bucket `bucket`'s all-gather after the step,
+        in flight through the first forward until that bucket's first unit runs
+        (hybrid.zero.publish: two at a time, in forward order)."""
+        if self.layout.backend != "gloo" or self.layout.stage not in (1, 2):
+            return 0.0
+        return float(self.e * self.numels[bucket]) if 0 <= bucket < len(self.numels) else 0.0
+
     # ---- moments ---------------------------------------------------------------------
 
     def moments(self) -> list[Moment]:
         return [*self._forward(), *self._backward(), self._optimizer_step(), *self._publish()]
 
     def _publish(self) -> list[Moment]:
-        """Stages 1-2 all-gather the updated parameters after the step, at most two
-        buckets in flight (hybrid.engine.publish_masters); on gloo each stages its output
-        in a buffer of its own until waited for."""
+        """Stages 1-2 all-gather the updated parameters after the step, two buckets in
+        flight from the step's end (the first two, hybrid.zero.publish); on gloo each
+        stages its output in a buffer of its own until waited for."""
         if self.layout.stage not in (1, 2) or self.layout.backend != "gloo":
             return []
-        staged = float(self.e * sum(sorted(self.numels)[-2:]))
+        staged = self._publish_copy(0) + self._publish_copy(1)
         return [self._moment("publish parameters", self.persistent, 0.0, staged, (), staged)]
 
     def _forward(self) -> list[Moment]:
         """Stage 3 holds the root bucket through forward, each unit with the next one
-        prefetched (hybrid.zero.gather.ParameterGatherer.hook)."""
+        prefetched (hybrid.zero.gather.ParameterGatherer.hook); at stages 1-2 the first
+        micro-batch's forward receives the step's all-gathers (hybrid.zero.publish)."""
         states = self.persistent + self.carried
         moments, below = [], self.embedding
         for layer, k in enumerate(self.bucket):
@@ -328,6 +339,12 @@ class _Step:
             staged = self._gather_copy(k + 1)  # the prefetch in flight
             moment = self._moment(name, states, activations, staged, (0, k, k + 1), staged)
             moments.append(moment)
+            arriving = self._publish_copy(k + 1) + self._publish_copy(k + 2)
+            if arriving:  # the first micro-batch: no gradients carried yet
+                name += ", parameters arriving"
+                moments.append(
+                    self._moment(name, self.persistent, activations, arriving, (), arriving)
+                )
             below += self.kept[layer]
         activations = below + self.output + self.loss_forward
         moments.append(self._moment("forward, loss", states, activations, 0.0, (0,)))

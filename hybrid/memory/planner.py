@@ -22,7 +22,7 @@ The step time is compute plus the communication that is not hidden:
 - DP collectives are issued from gradient hooks (and stage 3's gathers are prefetched), so
   they hide behind backward (forward for stage 3's first gather) of the micro-batch they
   belong to, up to its compute time; the all-gather after the optimizer step (stages 1-2)
-  is exposed.
+  hides behind the next step's first forward (hybrid.zero.publish), up to its time.
 A group runs at the intra-node bandwidth when it fits in one node (TP innermost: tp ranks,
 or tp x dp for DP), at the inter-node bandwidth otherwise.
 """
@@ -320,9 +320,9 @@ def step_time(
     elif stage == 0:
         exposed = max(0.0, 2 * reduce - backward)
     elif stage == 1:
-        exposed = max(0.0, reduce - backward) + gather
+        exposed = max(0.0, reduce - backward) + max(0.0, gather - forward)
     elif stage == 2:
-        exposed = m * max(0.0, reduce - backward) + gather
+        exposed = m * max(0.0, reduce - backward) + max(0.0, gather - forward)
     else:
         exposed = m * (max(0.0, gather - forward) + max(0.0, gather + reduce - backward))
     dp_time = dp_traffic_bytes(stage, psi_padded, dp, element, m, grad) / bandwidth
