@@ -27,7 +27,7 @@ if [[ "${1:-}" == "--cpu" ]]; then
   )
   section=(--gpu-device cpu --gpu-model tiny --gpu-micro-batches 1 2 --gpu-steps 2)
   # No peak is known on the CPU: one given, so that the MFU columns show.
-  pretrain="--config tiny train.steps=6 train.eval_every=6 train.peak_tflops=1"
+  pretrain="--config configs/tiny.yaml train.steps=6 train.eval_every=6 train.peak_tflops=1"
   limit=120
 else
   rehearsals=(
@@ -35,7 +35,7 @@ else
     "--config turing-nlg-17b --world 256 --rank 255 parallel.zero_stage=3 parallel.recompute=selective"
   )
   section=(--gpu-micro-batches 1 2 4 8 16 --gpu-steps 5)
-  pretrain="--config gpt2-124m train.steps=30 train.global_batch_size=8 train.micro_batch_size=8 train.warmup_steps=5 train.eval_every=30 train.eval_batches=2"
+  pretrain="--config configs/gpt2-124m.yaml train.steps=30 train.global_batch_size=8 train.micro_batch_size=8 train.warmup_steps=5 train.eval_every=30 train.eval_batches=2"
   limit=150
 fi
 

@@ -38,12 +38,13 @@ def _overlapping(events: list[Any]) -> int:
     return sum(any(g.start <= t <= g.end for g in gathers) for t in products)
 
 
-def train(stage: int, overlap: bool) -> dict[str, Any]:
-    """Per-step losses, an eval loss after the last step, the final full weights, and the
-    forward products overlapping a gather in the forward after the first step."""
+def train(stage: int) -> dict[bool, dict[str, Any]]:
+    """For overlap_param_gather True and False, in one process group (one after the
+    other, from the same seed): per-step losses, an eval loss after the last step, the
+    final full weights, and the forward products overlapping a gather in the forward
+    after the first step."""
 
-    def work() -> dict[str, Any]:
-        topology = Topology.build(1)
+    def run(topology: Topology, overlap: bool) -> dict[str, Any]:
         tp = TensorParallel.from_topology(topology, SEED)
         model = GPT(CONFIG, tp, seed=SEED)
         config = EngineConfig(
@@ -80,5 +81,9 @@ def train(stage: int, overlap: bool) -> dict[str, Any]:
             "overlapping": overlapping,
             "buckets": len(engine.buckets),
         }
+
+    def work() -> dict[bool, dict[str, Any]]:
+        topology = Topology.build(1)
+        return {overlap: run(topology, overlap) for overlap in (True, False)}
 
     return in_process_group(work)

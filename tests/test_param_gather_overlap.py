@@ -16,9 +16,8 @@ from hybrid.testing import run_processes
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gathers_overlap_forward_and_change_nothing(stage: int) -> None:
-    overlapped = run_processes(overlap_cases.train, 2, stage, True)
-    waited = run_processes(overlap_cases.train, 2, stage, False)
-    for rank, (a, b) in enumerate(zip(overlapped, waited, strict=True)):
+    ranks = run_processes(overlap_cases.train, 2, stage)
+    for rank, (a, b) in enumerate((runs[True], runs[False]) for runs in ranks):
         assert a["buckets"] == overlap_cases.CONFIG.n_layer + 1
         assert a["losses"] == b["losses"], rank
         assert a["eval"] == b["eval"], rank
@@ -27,4 +26,4 @@ def test_gathers_overlap_forward_and_change_nothing(stage: int) -> None:
             assert torch.equal(value, b["weights"][name]), (rank, name)
         assert a["overlapping"] > 0, (rank, a["overlapping"])
         assert b["overlapping"] == 0, rank
-    assert len(set(overlapped[0]["losses"])) == overlap_cases.STEPS  # the run trains
+    assert len(set(ranks[0][True]["losses"])) == overlap_cases.STEPS  # the run trains
