@@ -9,12 +9,8 @@ The section and key names are the user-facing contract; rename nothing without a
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +23,12 @@ from hybrid.topology import check_layout
 from models.gpt import GPTConfig
 from models.gpt.model import check_tp_shapes
 
+from .config_tree import ConfigError as ConfigError
+from .config_tree import build, set_dotted
+from .config_tree import to_dict as to_dict
+from .config_tree import valid_keys as _valid_keys
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the key and the fix."""
 
 
 @dataclass
@@ -41,6 +38,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_every: int = 1  # with recompute=full: only every k-th layer (0, k, 2k, ...)
+    # Stages 1-2: each bucket's parameter all-gather after the step is waited for in the
+    # next forward, just before its first unit (Megatron's overlap-param-gather); false
+    # waits for them all in the step. The same values either way.
+    overlap_param_gather: bool = True
 
 
 @dataclass
@@ -180,7 +181,7 @@ def load_config(
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{item}' must look like key=value, e.g. train.lr=3e-4")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
     if pretrained_model is not None:
         _take_pretrained_model(tree, pretrained_model)
     elif tree.get("init_from") is not None:
@@ -188,7 +189,7 @@ def load_config(
             "init_from is for fine-tuning: run `torchrun ... -m launch.finetune` "
             "(launch.pretrain starts from random weights; remove init_from)"
         )
-    config = _build(Config, tree, prefix="")
+    config = build(Config, tree)
     if config.run_dir is None:
         config.run_dir = str(Path("runs") / (Path(path).stem if path else "default"))
     validate(config)
@@ -215,117 +216,6 @@ def _take_pretrained_model(tree: dict[str, Any], read: Callable[[str], GPTConfig
             f"{folder}/config.json (only model.dropout may be set); remove it"
         )
     tree["model"] = dataclasses.asdict(read(str(folder))) | model
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = tree
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"cannot set '{key}': '{part}' is a value, not a section")
-    node[leaf] = value
-
-
-def _key(f: dataclasses.Field) -> str:
-    """A field's config key: its name, unless that is a Python keyword (`async`)."""
-    return f.metadata.get("key", f.name)
-
-
-def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted key the config accepts, e.g. 'train.lr'."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        kind = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(kind):
-            keys += valid_keys(kind, f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + _key(f))
-    return keys
-
-
-def _unknown_key(key: str) -> ConfigError:
-    keys = valid_keys()
-    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    if not near:  # a right leaf in the wrong section: 'lr' -> 'train.lr'
-        leaf = key.rsplit(".", 1)[-1]
-        near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
-    hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(keys)}"
-    return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _build(cls: type, tree: Any, prefix: str) -> Any:
-    if not isinstance(tree, dict):
-        raise ConfigError(f"'{prefix.rstrip('.')}' is a section; give it keys, not a value")
-    hints = typing.get_type_hints(cls)
-    names = {_key(f): f.name for f in dataclasses.fields(cls)}
-    for key, value in tree.items():
-        if key not in names:
-            full = prefix + str(key)
-            while isinstance(value, dict) and value:  # name the whole key: 'trian.steps'
-                key, value = next(iter(value.items()))
-                full += f".{key}"
-            raise _unknown_key(full)
-    values = {}
-    for key in names.keys() & tree.keys():
-        name, kind = names[key], hints[names[key]]
-        if dataclasses.is_dataclass(kind):
-            values[name] = _build(kind, tree[key], f"{prefix}{key}.")
-        else:
-            values[name] = _coerce(prefix + key, tree[key], kind)
-    return cls(**values)
-
-
-def _coerce(key: str, value: Any, kind: Any) -> Any:
-    """Check `value` against the field type `kind`, converting what is unambiguous."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (typing.Union, types.UnionType):
-        is_null = value is None or (isinstance(value, str) and value.lower() in ("null", "~"))
-        if is_null and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
-    if origin is Literal:
-        for choice in args:
-            if value == choice or str(value) == str(choice):
-                return choice
-        allowed = "|".join(str(a) for a in args)
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {allowed}")
-    if origin is list:
-        if isinstance(value, str) and dataclasses.is_dataclass(args[0]):
-            value = yaml.safe_load(value)  # data.mixture='[{files: [a.txt], weight: 1}]'
-        items = value if isinstance(value, list) else [value]
-        return [_coerce(f"{key}[{i}]", item, args[0]) for i, item in enumerate(items)]
-    if dataclasses.is_dataclass(kind):
-        return _build(kind, value, f"{key}.")
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "yes", "1", "on"):
-            return True
-        if str(value).lower() in ("false", "no", "0", "off"):
-            return False
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if kind is int:
-        try:
-            number = float(value) if not isinstance(value, bool) else None
-        except (TypeError, ValueError):
-            number = None
-        if number is None or not number.is_integer():
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        return int(number)
-    if kind is float:
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} must be a number") from None
-    if kind is str:
-        if isinstance(value, (dict, list)) or value is None:
-            raise ConfigError(f"{key}={value!r} must be a string")
-        return str(value)
-    raise TypeError(f"config field {key} has unsupported type {kind}")
 
 
 def validate(config: Config) -> None:
@@ -467,16 +357,6 @@ def validate_layout(config: Config, world_size: int) -> int:
     return dp
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """The config as its keys (`checkpoint.async`, not the field's name): what
-    load_config reads back."""
-    tree = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            tree[_key(f)] = to_dict(value)
-        elif isinstance(value, list):
-            tree[_key(f)] = [to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
-        else:
-            tree[_key(f)] = copy.deepcopy(value)
-    return tree
+def valid_keys() -> list[str]:
+    """Every dotted key the config accepts, e.g. 'train.lr'."""
+    return _valid_keys(Config)

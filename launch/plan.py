@@ -149,6 +149,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="gradient accumulation and reduction dtype (bf16: the 16-bit compute dtype)",
     )
     p.add_argument("--bucket-mb", type=float, default=25.0, help="engine bucket size (MiB)")
+    p.add_argument(
+        "--overlap-param-gather",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stages 1-2: wait for the step's all-gathers in the next forward (default: yes)",
+    )
     p.add_argument("--reserve", default="1GiB", help="kept free for CUDA context, NCCL, etc.")
     p.add_argument(
         "--backend",
@@ -187,7 +193,8 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         model = Model("bare count", None, None, count)
         defaults = {"tp": 1, "zero_stage": 0, "sequence_parallel": False, "recompute": "none"}
         defaults |= {"recompute_every": 1, "micro_batch": 1, "global_batch": None}
-        return model, defaults | {"precision": "bf16", "grad_reduce_dtype": "fp32"}
+        defaults |= {"precision": "bf16", "grad_reduce_dtype": "fp32"}
+        return model, defaults | {"overlap_param_gather": True}
     config = read_config(args.config, args.overrides)
     m, t = config.model, config.train
     if args.vocab is not None:
@@ -219,6 +226,7 @@ def layout_options(config: Config) -> dict[str, Any]:
         "global_batch": t.global_batch_size,
         "precision": t.precision,
         "grad_reduce_dtype": t.grad_reduce_dtype,
+        "overlap_param_gather": p.overlap_param_gather,
     }
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +19,10 @@ from transformers import PreTrainedTokenizerBase
 from hybrid.checkpoint_writer import CheckpointWriter
 from hybrid.distributed import DistributedEnv
 from hybrid.engine import Engine, EngineConfig
-from hybrid.full_state import full_tensor_layout, write_safetensors
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
 from models.gpt import GPT, count_parameters, pad_vocab_size
-from models.gpt.hf_export import write_hf_export
 from models.gpt.hf_files import open_hf_weights
 
 from .checkpointing import restore
@@ -37,12 +34,13 @@ from .data.mixture import load_mixture, validation_sets
 from .data.prepare_wait import DataPhase
 from .data.sampler import Samples
 from .data.token_file import resolve_files
-from .memory_check import format_bytes, planned_peak_bytes
-from .mfu import Utilization, format_mfu
+from .memory_check import planned_peak_bytes
+from .mfu import Utilization
 from .optim import lr_at
-from .peak_memory import PeakMemory, memory_summary
+from .peak_memory import PeakMemory
 from .preemption import NonFiniteLoss, Preemption
-from .tracking import Tracker, format_count, rotate_old_metrics, truncate_metrics
+from .run_outputs import generate_sample, summary_line, write_final_weights
+from .tracking import Tracker, rotate_old_metrics, truncate_metrics
 from .trainer import eval_steps, evaluate, train_step
 
 
@@ -159,6 +157,7 @@ def engine_config(config: Config, dp: int) -> EngineConfig:
         grad_clip=t.grad_clip,
         weight_decay=t.weight_decay,
         grad_reduce_dtype=t.grad_reduce_dtype,
+        overlap_param_gather=config.parallel.overlap_param_gather,
     )
 
 
@@ -277,8 +276,8 @@ def train(
             )
         return history
 
-    sample = generate_sample(model, data, config, env)  # every rank: TP layers talk
-    write_final_weights(engine, config, data, run_dir, env.is_main)
+    sample = generate_sample(model, data.tokenizer, config, env.device)  # every rank: TP talks
+    write_final_weights(engine, config, data.tokenizer, run_dir, env.is_main)
     peaks = memory.per_rank()  # every rank: the whole run's, final weights included
     device_peak = memory.maxima()[1]  # every rank: the allocator's, largest rank's (CUDA)
     if tracker is not None:
@@ -385,77 +384,3 @@ def val_losses(
         overall = sum(weight * losses[key] for key, weight, _ in val_sets) / total
         losses = {"val_loss": overall} | losses
     return losses
-
-
-def write_final_weights(
-    engine: Engine, config: Config, data: RunData, run_dir: Path, is_main: bool
-) -> None:
-    """The trained weights at tp=1 on the main rank. Every rank walks the stream of full
-    tensors (one bucket gathered at a time, hybrid.full_state) and the main rank writes
-    each as it comes, so no rank ever holds the whole model: a pretraining run's
-    model.safetensors, or a fine-tuning run's Hugging Face folder (sharded safetensors,
-    converted tensor by tensor: models.gpt.hf_export)."""
-    if config.init_from is not None and is_main:  # fine-tuned: a folder from_pretrained loads
-        write_hf_export(
-            run_dir / "hf",
-            engine.module.config,
-            full_tensor_layout(engine),
-            engine.full_tensors(),
-            extra_files=lambda folder: data.tokenizer.save_pretrained(str(folder)),
-        )
-        print(f"exported the fine-tuned model to {run_dir / 'hf'}", flush=True)
-        return
-    if not is_main:
-        for _ in engine.full_tensors():  # the collectives the main rank's writer needs
-            pass
-        return
-    write_safetensors(
-        run_dir / "model.safetensors", full_tensor_layout(engine), engine.full_tensors()
-    )
-    data.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
-
-
-def generate_sample(model: GPT, data: RunData, config: Config, env: DistributedEnv) -> str | None:
-    s = config.sample
-    if s.tokens == 0:
-        return None
-    prompt = data.tokenizer.encode(s.prompt, add_special_tokens=False) or [
-        data.tokenizer.eos_token_id or 0
-    ]
-    generator = torch.Generator(env.device).manual_seed(config.train.seed)
-    model.eval()
-    out = model.generate(
-        torch.tensor([prompt], device=env.device),
-        s.tokens,
-        s.temperature,
-        s.top_k,
-        generator=generator,
-    )
-    return data.tokenizer.decode(out[0].tolist())
-
-
-def summary_line(
-    history: list[dict[str, Any]],
-    total_time: float,
-    run_dir: Path,
-    peaks: list[int] | None = None,
-    planned: int | None = None,
-    device_peak: int | None = None,
-) -> str:
-    """The run's last line: steps, time, losses, median tokens/s and MFU, peak memory
-    beside the plan, and on CUDA the allocator's peak (the largest rank's)."""
-    vals = [m["val_loss"] for m in history if "val_loss" in m]
-    speed = statistics.median(m["tokens_per_s"] for m in history)
-    parts = [f"done: {len(history)} steps in {total_time:.0f}s", f"loss {history[-1]['loss']:.4f}"]
-    if vals:
-        parts.append(f"val_loss {vals[0]:.4f} -> {vals[-1]:.4f} ({vals[-1] / vals[0] - 1:+.0%})")
-    parts.append(f"{format_count(speed)} tokens/s (median)")
-    mfus = [m["mfu"] for m in history if "mfu" in m]
-    if mfus:
-        parts.append(f"MFU {format_mfu(statistics.median(mfus))} (median)")
-    if peaks:
-        parts.append(memory_summary(peaks, planned))
-    if device_peak is not None:
-        parts.append(f"device memory {format_bytes(device_peak)} (allocator peak)")
-    parts.append(f"run_dir {run_dir}")
-    return " | ".join(parts)

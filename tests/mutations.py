@@ -302,7 +302,7 @@ MUTATIONS = [
     ),
     Mutation(
         "checkpoint.async read under its field's name",
-        "launch/config.py",
+        "launch/config_tree.py",
         '    return f.metadata.get("key", f.name)',
         "    return f.name",
         ("tests/test_resume_verify.py::test_verify_and_async_keys",),
@@ -380,8 +380,8 @@ MUTATIONS = [
     ),
     Mutation(
         "the fine-tuned export leaves the tokenizer out",
-        "launch/training.py",
-        "            extra_files=lambda folder: data.tokenizer.save_pretrained(str(folder)),\n",
+        "launch/run_outputs.py",
+        "            extra_files=lambda folder: tokenizer.save_pretrained(str(folder)),\n",
         "",
         (
             "tests/test_finetune.py::test_prompt_completion_loss_is_layout_free_and_matches_transformers",
@@ -755,6 +755,34 @@ MUTATIONS = [
         "            unit.register_forward_pre_hook(lambda module, args, k=bucket: before(k))\n",
         "",
         ("tests/test_param_gather_overlap.py",),
+    ),
+    Mutation(
+        "plan gathers arriving in forward though the step waited for them",
+        "hybrid/memory/peak.py",
+        "            if arriving and self.layout.overlap_param_gather:\n",
+        "            if arriving:\n",
+        ("tests/test_plan.py::test_overlap_off_waits_for_the_parameter_gathers_in_the_step",),
+    ),
+    Mutation(
+        "plan the step's all-gather hidden though the step waits for it",
+        "hybrid/memory/planner.py",
+        "if layout.overlap_param_gather else gather",
+        "",
+        ("tests/test_plan.py::test_overlap_off_waits_for_the_parameter_gathers_in_the_step",),
+    ),
+    Mutation(
+        "drop parallel.overlap_param_gather on the way to the engine",
+        "launch/training.py",
+        "        overlap_param_gather=config.parallel.overlap_param_gather,\n",
+        "",
+        ("tests/test_plan.py::test_overlap_off_waits_for_the_parameter_gathers_in_the_step",),
+    ),
+    Mutation(
+        "drop overlap_param_gather on the way to the step's moments",
+        "hybrid/memory/planner.py",
+        "        overlap_param_gather=layout.overlap_param_gather,\n",
+        "",
+        ("tests/test_plan.py::test_overlap_off_waits_for_the_parameter_gathers_in_the_step",),
     ),
 ]
 

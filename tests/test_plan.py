@@ -42,6 +42,8 @@ from hybrid.memory import (
     parse_count,
     plan,
     precision_bytes,
+    step_layout,
+    step_moments,
     stored_activation_bytes,
 )
 from hybrid.tensor_parallel import TensorParallel, TPRandom
@@ -49,6 +51,7 @@ from hybrid.testing import run_processes
 from hybrid.zero.bucket import max_bucket_numel
 from launch.config import PRESET_DIR, load_config
 from launch.plan import GPT2_TOKENS, main
+from launch.training import engine_config
 from models.gpt import GPT, count_parameters, pad_vocab_size
 from models.gpt.accounting import rank_parameters, transformer_shape
 
@@ -366,3 +369,37 @@ def test_step_time_counts_recomputation_and_zero_3_traffic() -> None:
         stage1, stage3 = (report[s, "none", dtype]["communication"]["dp_bytes"] for s in (1, 3))
         assert stage3 / stage1 == pytest.approx(expected, rel=1e-12)
     assert report[3, "none"]["communication"] == report[3, "none", "fp32"]["communication"]
+
+
+def test_overlap_off_waits_for_the_parameter_gathers_in_the_step() -> None:
+    """parallel.overlap_param_gather=false reaches the engine, and the planner follows it:
+    stages 1-2 on gloo then hold no staged all-gather through the first forward (the step
+    waited for them), and the step's all-gather is all exposed instead of hidden behind
+    that forward. Stage 0 publishes nothing, so the setting changes nothing there."""
+    tiny = PRESET_DIR / "tiny.yaml"
+    off = load_config(tiny, ["parallel.overlap_param_gather=false"])
+    assert engine_config(load_config(tiny), 2).overlap_param_gather
+    assert not engine_config(off, 2).overlap_param_gather
+    units = [1000] * 4
+    for stage in (0, 1, 2):
+        names = {}
+        for overlap in (True, False):
+            given = Layout(2, zero_stage=stage, bucket_mb=0.001, overlap_param_gather=overlap)
+            layout = step_layout(given, "gloo")  # a bucket per unit
+            moments = step_moments(layout, 500, units, None)
+            names[overlap] = [m.name for m in moments if m.name.endswith("parameters arriving")]
+        assert len(names[True]) == (3 if stage else 0)  # layers 0-2 each receive a bucket
+        assert names[False] == []
+    args = ["--config", "gpt2-1.5b", "--gpus", "64", "--tp", "1", "--micro-batch", "8"]
+    for stage in (0, 1, 2):
+        times = {
+            overlap: run_plan(
+                [*args, "--zero-stage", str(stage), f"parallel.overlap_param_gather={overlap}"]
+            )["time"]
+            for overlap in ("true", "false")
+        }
+        hidden = times["false"]["dp_exposed_s"] - times["true"]["dp_exposed_s"]
+        assert times["false"]["compute_s"] == times["true"]["compute_s"]
+        assert hidden > 0 if stage else hidden == 0
+        step = times["false"]["step_s"] - times["true"]["step_s"]
+        assert step == pytest.approx(hidden, rel=1e-9, abs=1e-12)

@@ -18,7 +18,8 @@ carries the gradients of all before it):
 - forward, layer l: activations of the layers before l and all of layer l's; at stage 3
   the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather); at
   stages 1-2 on gloo, in the first micro-batch, the staging of the two buckets after l's
-  whose all-gathers are in flight (hybrid.zero.publish);
+  whose all-gathers are in flight (hybrid.zero.publish; none with
+  `overlap_param_gather=False`: the step waited for them);
 - forward, loss: every layer's activations, the final norm's and the output layer's
   input, and the cross-entropy's working set on this rank's logits: the logits and the
   one fp32 buffer that becomes the softmax in place (e + 4 bytes per logit; 8 in fp32);
@@ -78,66 +79,15 @@ fragmentation) is not a moment of the step; hybrid.memory.planner adds it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..zero.bucket import group_units, max_bucket_numel
 from .activations import TransformerShape, layer_bytes
 from .model_states import bucket_numels, grad_element_bytes, precision_bytes, zero_state_bytes
+from .moment import BACKENDS as BACKENDS
+from .moment import Moment as Moment
+from .moment import StepLayout as StepLayout
 
 FP32 = 4
-BACKENDS = ("nccl", "gloo")
-
-
-@dataclass(frozen=True)
-class Moment:
-    """Bytes one rank holds at one moment of a step, by kind. Of them, `parameters` are in
-    parameter storage (stages 0-2: the flat buffers, a model state; stage 3: the gathered
-    buckets, a buffer), what MemTracker files under "Parameter"; `unseen` are buffers a
-    collective allocated inside itself (gloo's copies of reduce-scatter inputs not being
-    waited for), which no tracker at torch's dispatch level (MemTracker) sees then;
-    `autograd` are buffers autograd holds rather than the engine (the output layer's and
-    the embedding's weight gradients before the engine's hook takes them)."""
-
-    name: str
-    model_states: float
-    activations: float
-    buffers: float
-    parameters: float = 0.0
-    unseen: float = 0.0
-    autograd: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.model_states + self.activations + self.buffers
-
-    @property
-    def seen(self) -> float:
-        """What a dispatch-level tracker sees at this moment."""
-        return self.total - self.unseen
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """What the moments depend on: a hybrid.memory.planner.Layout's fields, and the
-    collectives' backend."""
-
-    stage: int
-    dp: int
-    tp: int = 1
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    recompute_every: int = 1
-    micro_batch: int = 1
-    micro_batches: int = 1
-    precision: str = "bf16"
-    bucket_mb: float = 25.0
-    backend: str = "nccl"
-    grad_reduce_dtype: str = "fp32"
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} must be one of {list(BACKENDS)}")
-        grad_element_bytes(self.precision, self.grad_reduce_dtype)
 
 
 def step_peak(
@@ -340,7 +290,8 @@ class _Step:
             moment = self._moment(name, states, activations, staged, (0, k, k + 1), staged)
             moments.append(moment)
             arriving = self._publish_copy(k + 1) + self._publish_copy(k + 2)
-            if arriving:  # the first micro-batch: no gradients carried yet
+            # The first micro-batch (no gradients carried yet), when forward waits for them.
+            if arriving and self.layout.overlap_param_gather:
                 name += ", parameters arriving"
                 moments.append(
                     self._moment(name, self.persistent, activations, arriving, (), arriving)

@@ -22,7 +22,8 @@ The step time is compute plus the communication that is not hidden:
 - DP collectives are issued from gradient hooks (and stage 3's gathers are prefetched), so
   they hide behind backward (forward for stage 3's first gather) of the micro-batch they
   belong to, up to its compute time; the all-gather after the optimizer step (stages 1-2)
-  hides behind the next step's first forward (hybrid.zero.publish), up to its time.
+  hides behind the next step's first forward (hybrid.zero.publish), up to its time, or
+  is all exposed with `overlap_param_gather=False` (waited for in the step).
 A group runs at the intra-node bandwidth when it fits in one node (TP innermost: tp ranks,
 or tp x dp for DP), at the inter-node bandwidth otherwise.
 """
@@ -68,7 +69,8 @@ class Layout:
     """How a job runs: gpus = dp x tp; ZeRO stage; sequence parallelism; recomputation;
     `micro_batch` sequences per forward; `global_batch` sequences per optimizer step over
     all DP ranks (None: one micro-batch per rank); `grad_reduce_dtype` the gradients'
-    dtype from accumulation to the optimizer (hybrid.engine.EngineConfig)."""
+    dtype from accumulation to the optimizer, `overlap_param_gather` whether stages 1-2
+    wait for the step's all-gathers in the next forward (hybrid.engine.EngineConfig)."""
 
     gpus: int
     tp: int = 1
@@ -81,6 +83,7 @@ class Layout:
     precision: str = "bf16"
     bucket_mb: float = 25.0
     grad_reduce_dtype: str = "fp32"
+    overlap_param_gather: bool = True
 
     def __post_init__(self) -> None:
         check_layout(self.gpus, self.tp)
@@ -285,6 +288,7 @@ def step_layout(layout: Layout, backend: str = "nccl") -> StepLayout:
         bucket_mb=layout.bucket_mb,
         backend=backend,
         grad_reduce_dtype=layout.grad_reduce_dtype,
+        overlap_param_gather=layout.overlap_param_gather,
     )
 
 
@@ -315,14 +319,15 @@ def step_time(
     ring = psi_padded * (dp - 1) / dp / bandwidth
     reduce, gather = grad * ring, element * ring  # one reduce-scatter; one all-gather
     stage = layout.zero_stage
+    publish = max(0.0, gather - forward) if layout.overlap_param_gather else gather
     if dp == 1:
         exposed = 0.0
     elif stage == 0:
         exposed = max(0.0, 2 * reduce - backward)
     elif stage == 1:
-        exposed = max(0.0, reduce - backward) + max(0.0, gather - forward)
+        exposed = max(0.0, reduce - backward) + publish
     elif stage == 2:
-        exposed = m * max(0.0, reduce - backward) + max(0.0, gather - forward)
+        exposed = m * max(0.0, reduce - backward) + publish
     else:
         exposed = m * (max(0.0, gather - forward) + max(0.0, gather + reduce - backward))
     dp_time = dp_traffic_bytes(stage, psi_padded, dp, element, m, grad) / bandwidth

@@ -1,0 +1,52 @@
+"""The optimizer of hybrid.engine: torch AdamW over each bucket's fp32 master shard, with
+its moments laid out as the shard is (ZeRO's optimizer-state partition, section 5.1)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .bucket import FlatBucket
+from .state import BucketState
+
+
+def make_adamw(
+    states: Sequence[BucketState],
+    buckets: Sequence[FlatBucket],
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    device: torch.device,
+) -> torch.optim.Optimizer:
+    """torch AdamW over the master shard's kind segments: decay and no-decay groups.
+    Its update is elementwise, so stepping a slice of the flat shard is stepping the
+    parameters it cuts through (the same arithmetic as on whole tensors)."""
+    decay, no_decay = [], []
+    for state, bucket in zip(states, buckets, strict=True):
+        for segment in bucket.segments:
+            view = state.master[segment.start : segment.end]
+            state.master_segments.append((segment, view))
+            (decay if segment.kind.decay else no_decay).append(view)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=0.0,
+        betas=betas,
+        eps=eps,
+        fused=True,  # one kernel per flat segment (CPU and CUDA): ~10x the for-loop
+    )
+    # Adam's moments are views into flat per-bucket tensors, like the master shard, so
+    # a checkpoint reads and writes them by the same layout (torch keeps a state it
+    # finds instead of creating one). Fused AdamW counts steps in fp32 tensors.
+    for state in states:
+        for segment, view in state.master_segments:
+            part = slice(segment.start, segment.end)
+            optimizer.state[view] = {
+                "step": torch.zeros((), dtype=torch.float32, device=device),
+                "exp_avg": state.exp_avg[part],
+                "exp_avg_sq": state.exp_avg_sq[part],
+            }
+    return optimizer
