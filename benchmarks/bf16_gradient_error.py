@@ -1,0 +1,92 @@
+"""How far bf16 gradients are from fp32's, for our GPT (models.gpt) and its plain twin.
+
+    python benchmarks/bf16_gradient_error.py [--batches 3]
+
+Both models start from the same weights (our GPT's draw, loaded into
+benchmarks/compare/plain_gpt.py) with the demo's shape and a byte vocabulary. For each
+batch of 4 x 128 tokens from the bundled corpus, each model's gradient is taken in fp32
+and with every parameter in bf16, and compared with the plain twin's fp32 gradient (the
+reference, computed by nothing of ours): the relative error of the whole gradient, its
+projection on the reference (a systematic scaling would show there), and the three
+parameters with the largest relative error. Written to benchmarks/bf16_gradient_error.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.compare.plain_gpt import PlainGPT  # noqa: E402
+from benchmarks.grad_reduce_drift_plain import loss_of  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+Gradients = dict[str, torch.Tensor]
+
+
+def gradients(
+    model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: torch.dtype
+) -> Gradients:
+    model.to(dtype).zero_grad(set_to_none=True)
+    loss(model).backward()
+    out = {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    model.float().zero_grad(set_to_none=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".md"))
+    args = parser.parse_args()
+    config = GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128, vocab_size=256)
+    ours = GPT(config, seed=1234)
+    plain = PlainGPT(config)
+    plain.load_state_dict({k: v.detach().clone() for k, v in ours.state_dict().items()})
+    with gzip.open(ROOT / "launch" / "assets" / "shakespeare.txt.gz", "rb") as f:
+        corpus = torch.from_numpy(np.frombuffer(f.read(), dtype=np.uint8).copy()).long()
+    generator = torch.Generator().manual_seed(0)
+    lines = [
+        "| batch | model | dtype | relative error | projection | largest relative errors |",
+        "|---:|---|---|---:|---:|---|",
+    ]
+    for batch in range(args.batches):
+        starts = torch.randint(0, len(corpus) - 129, (4,), generator=generator)
+        x = torch.stack([corpus[i : i + 128] for i in starts])
+        y = torch.stack([corpus[i + 1 : i + 129] for i in starts])
+        runs = {
+            ("ours", dtype): gradients(ours, lambda m, x=x, y=y: m(x, y), dtype)
+            for dtype in (torch.float32, torch.bfloat16)
+        } | {
+            ("plain", dtype): gradients(plain, lambda m, x=x, y=y: loss_of(m, x, y), dtype)
+            for dtype in (torch.float32, torch.bfloat16)
+        }
+        reference = runs["plain", torch.float32]
+        flat_ref = torch.cat([g.flatten() for g in reference.values()])
+        for (model, dtype), grads in runs.items():
+            flat = torch.cat([grads[name].flatten() for name in reference])
+            error = float((flat - flat_ref).norm() / flat_ref.norm())
+            projection = float(torch.dot(flat - flat_ref, flat_ref) / flat_ref.norm() ** 2)
+            worst = sorted(
+                (float((grads[n] - g).norm() / g.norm()), n) for n, g in reference.items()
+            )[-3:]
+            named = ", ".join(f"{n} {e:.3f}" for e, n in reversed(worst))
+            lines.append(
+                f"| {batch} | {model} | {str(dtype)[6:]} | {error:.2e} | {projection:+.2e} | "
+                f"{named} |"
+            )
+    text = "\n".join(lines)
+    print(text)
+    args.out.write_text(f"# bf16 gradients against fp32's\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
