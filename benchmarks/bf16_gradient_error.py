@@ -9,6 +9,10 @@ and with every parameter in bf16, and compared with the plain twin's fp32 gradie
 reference, computed by nothing of ours): the relative error of the whole gradient, its
 projection on the reference (a systematic scaling would show there), and the three
 parameters with the largest relative error. Written to benchmarks/bf16_gradient_error.md.
+
+With --fp32-layernorm every nn.LayerNorm (ours and the twin's) computes in fp32 from its
+16-bit input and returns the input's dtype, as autocast and Megatron's fused LayerNorm
+do: the check of whether torch's 16-bit LayerNorm backward is where the error sits.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -30,6 +36,14 @@ from benchmarks.grad_reduce_drift_plain import loss_of  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 Gradients = dict[str, torch.Tensor]
+
+
+def fp32_layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """nn.LayerNorm.forward in fp32: statistics, affine and their gradients."""
+    weight = self.weight.float() if self.weight is not None else None
+    bias = self.bias.float() if self.bias is not None else None
+    y = F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+    return y.to(x.dtype)
 
 
 def gradients(
@@ -45,8 +59,13 @@ def gradients(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".md"))
+    parser.add_argument("--fp32-layernorm", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.fp32_layernorm:
+        nn.LayerNorm.forward = fp32_layer_norm
+    suffix = "_fp32_layernorm.md" if args.fp32_layernorm else ".md"
+    out = args.out or Path(__file__).with_name(Path(__file__).stem + suffix)
     config = GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128, vocab_size=256)
     ours = GPT(config, seed=1234)
     plain = PlainGPT(config)
@@ -85,7 +104,8 @@ def main() -> None:
             )
     text = "\n".join(lines)
     print(text)
-    args.out.write_text(f"# bf16 gradients against fp32's\n\n{text}\n")
+    title = "# bf16 gradients against fp32's" + (", LayerNorm in fp32" * args.fp32_layernorm)
+    out.write_text(f"{title}\n\n{text}\n")
 
 
 if __name__ == "__main__":
