@@ -40,19 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare.plain_gpt import PlainGPT  # noqa: E402
+from launch.config import TrainConfig  # noqa: E402
+from launch.optim import lr_at  # noqa: E402
 from models.gpt import GPTConfig  # noqa: E402
 
 RUNS = ("fp32", "bf16, fp32 accumulation", "bf16, bf16 accumulation")
 LAST, SEQ, BATCH, MICRO = 20, 128, 16, 8
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 20
-
-
-def lr_at(step: int, steps: int) -> float:
-    """The demo's schedule (launch.optim.lr_at): linear warm-up, cosine to MIN_LR."""
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    progress = (step - WARMUP) / max(1, steps - WARMUP)
-    return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * progress))
 
 
 def gpt2_init(model: PlainGPT, layers: int) -> None:
@@ -98,10 +92,11 @@ def train(run: str, seed: int, steps: int) -> list[float]:
         {"params": [m for m in masters if m.ndim < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95))
+    schedule = TrainConfig(steps=steps, lr=LR, min_lr=MIN_LR, warmup_steps=WARMUP)  # the demo's
     losses = []
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps)
+            group["lr"] = lr_at(step, schedule)
         starts = torch.randint(0, len(corpus) - SEQ - 1, (BATCH,), generator=batches)
         x = torch.stack([corpus[i : i + SEQ] for i in starts])
         y = torch.stack([corpus[i + 1 : i + SEQ + 1] for i in starts])

@@ -193,8 +193,8 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         model = Model("bare count", None, None, count)
         defaults = {"tp": 1, "zero_stage": 0, "sequence_parallel": False, "recompute": "none"}
         defaults |= {"recompute_every": 1, "micro_batch": 1, "global_batch": None}
-        defaults |= {"precision": "bf16", "grad_reduce_dtype": "fp32"}
-        return model, defaults | {"overlap_param_gather": True}
+        defaults |= {"precision": "bf16", "grad_reduce_dtype": "fp32", "overlap_param_gather": True}
+        return model, defaults
     config = read_config(args.config, args.overrides)
     m, t = config.model, config.train
     if args.vocab is not None:
