@@ -784,6 +784,34 @@ MUTATIONS = [
         "",
         ("tests/test_plan.py::test_overlap_off_waits_for_the_parameter_gathers_in_the_step",),
     ),
+    Mutation(
+        "run torch's bf16 LayerNorm kernel on CPU instead of computing in fp32",
+        "models/gpt/norms.py",
+        "        if x.dtype == torch.float32 or x.is_cuda:",
+        "        if True:",
+        ("tests/test_norms.py::test_bf16_gradients_are_one_rounding_from_fp64",),
+    ),
+    Mutation(
+        "save the LayerNorm input in fp32 for backward",
+        "models/gpt/norms.py",
+        "        ctx.save_for_backward(x, weight, bias)",
+        "        ctx.save_for_backward(x.float(), weight, bias)",
+        ("tests/test_norms.py::test_bf16_saves_no_more_than_torchs_layer_norm",),
+    ),
+    Mutation(
+        "normalise all rows at once: fp32 temporaries of the whole input",
+        "models/gpt/norms.py",
+        "PIECES = 8",
+        "PIECES = 1",
+        ("tests/test_norms.py::test_bf16_peak_is_near_torchs_layer_norm",),
+    ),
+    Mutation(
+        "keep only the last piece's weight and bias gradients",
+        "models/gpt/norms.py",
+        "                total += grad",
+        "                total.copy_(grad)",
+        ("tests/test_norms.py::test_bf16_gradients_are_one_rounding_from_fp64",),
+    ),
 ]
 
 

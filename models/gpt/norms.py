@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
@@ -30,9 +31,87 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+# Rows are normalised in this many pieces, so the fp32 temporaries (input, output and
+# their gradients: 16 bytes an element) live for one piece at a time. Measured by
+# MemTracker (tests/test_norms.py): forward and backward peak about 4 bytes an element
+# above torch's own bf16 LayerNorm (one piece: 18).
+PIECES = 8
+
+
+class _LayerNormInFP32(torch.autograd.Function):
+    """F.layer_norm computed in fp32 from a 16-bit input, forward and backward.
+
+    Only the 16-bit input (and the parameters) are saved, as torch's own LayerNorm saves it,
+    so a bf16 model's activation memory does not grow; backward casts it to fp32 again and
+    differentiates an fp32 LayerNorm, a piece of the rows at a time (PIECES), summing the
+    weight and bias gradients over the pieces in fp32. The statistics are not saved: two
+    (s, b) fp32 vectors would buy back only one cheap row reduction.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.eps = eps
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty_like(rows)
+        params = [None if t is None else t.float() for t in (weight, bias)]
+        for piece, into in zip(rows.tensor_split(PIECES), out.tensor_split(PIECES), strict=True):
+            into.copy_(F.layer_norm(piece.float(), x.shape[-1:], *params, eps))
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias = ctx.saved_tensors
+        width = x.shape[-1]
+        rows, grad_rows = x.reshape(-1, width), grad_out.reshape(-1, width)
+        grad_x = torch.empty_like(rows)
+        params = [
+            None if t is None else t.detach().float().requires_grad_() for t in (weight, bias)
+        ]
+        wanted = [t for t in params if t is not None]
+        sums = [torch.zeros_like(t) for t in wanted]
+        pieces = zip(
+            rows.tensor_split(PIECES),
+            grad_rows.tensor_split(PIECES),
+            grad_x.tensor_split(PIECES),
+            strict=True,
+        )
+        for piece, grad_piece, into in pieces:
+            piece = piece.float().requires_grad_()
+            with torch.enable_grad():
+                y = F.layer_norm(piece, (width,), *params, ctx.eps)
+            grads = torch.autograd.grad(y, [piece, *wanted], grad_piece.float())
+            into.copy_(grads[0])
+            for total, grad in zip(sums, grads[1:], strict=True):
+                total += grad
+            del y, grads  # before the next piece's are made
+        sums_left = iter(sums)
+        grad_params = [None if t is None else next(sums_left).to(t.dtype) for t in (weight, bias)]
+        return grad_x.view(x.shape), *grad_params, None
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, same state-dict names) that computes in fp32 when
+    its input is 16-bit, as autocast runs layer_norm and as Megatron's fused LayerNorm
+    accumulates.
+
+    Why: torch's CPU bf16 LayerNorm backward sums the weight and bias gradients over rows
+    with a relative error of 0.05-0.11 (fp32 inside: below 0.007;
+    benchmarks/bf16_gradient_error.py), ten to thirty times that of the whole bf16
+    gradient. CUDA's layer_norm kernels already accumulate 16-bit inputs in fp32
+    (acc_type; tests/test_norms.py checks it where a GPU is present), so there torch's
+    kernel runs unchanged, as it does for fp32 inputs.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 or x.is_cuda:
+            return super().forward(x)
+        return _LayerNormInFP32.apply(x, self.weight, self.bias, self.eps)
+
+
 def make_norm(config: GPTConfig) -> nn.Module:
     """The model's norm over d_model. Under sequence parallelism it runs on this rank's
     sequence chunk and its parameters are replicated (their gradients are summed over TP)."""
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps)
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+    return LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
