@@ -13,16 +13,18 @@ another's time. A system's step time is the median over its blocks of the block'
 step; each round (a fresh job) gives the ratio of every system to stage 0 measured side by
 side; the table reports the median of the per-round ratios and their range. The
 "-waited" systems are stages 1-2 waiting for every gather in the step
-(overlap_param_gather=False), as before the overlap. The last loss of every system is
-printed so that a faster wrong answer shows.
+(overlap_param_gather=False), as before the overlap. The "-gloo" systems are stages 1-3
+on gloo's own reduce-scatter and all-gather instead of the pairwise exchanges the engine
+runs on gloo (hybrid.pairwise; stage 3's prefetch keeps gloo's own in both). The last
+loss of every system is printed so that a faster wrong answer shows.
 
 Each round also measures the collectives alone, on the same two processes: the CPU time
 (time.process_time, the kernel's count for the process, gloo's threads included) and the
 wall time of one all-reduce, reduce-scatter and all-gather of the model's parameter count
-in fp32. The two ranks keep both cores busy computing, so CPU time a collective spends is
-time the step loses however well it overlaps: the extra CPU time of stages 1-2's
-reduce-scatter and all-gather over stage 0's all-reduce, as a fraction of stage 0's step,
-is the least they can cost here (the "bound" line).
+in fp32, gloo's own and pairwise. The two ranks keep both cores busy computing, so CPU
+time a collective spends is time the step loses however well it overlaps: the extra CPU
+time of stages 1-2's (pairwise) reduce-scatter and all-gather over stage 0's all-reduce,
+as a fraction of stage 0's step, is the least they can cost here (the "bound" line).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hybrid import pairwise
 from hybrid.distributed import init_distributed, shutdown
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
@@ -46,7 +49,18 @@ from models.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128, vocab_size=512)
 MICRO, LR, CLIP, WEIGHT_DECAY, WARMUP = 8, 1e-3, 1.0, 0.1, 3
-SYSTEMS = ["ddp", "stage0", "stage1", "stage2", "stage3", "stage1-waited", "stage2-waited"]
+SYSTEMS = [
+    "ddp",
+    "stage0",
+    "stage1",
+    "stage2",
+    "stage3",
+    "stage1-waited",
+    "stage2-waited",
+    "stage1-gloo",
+    "stage2-gloo",
+    "stage3-gloo",
+]
 
 
 def batches(steps: int, rank: int) -> list[torch.Tensor]:
@@ -68,7 +82,8 @@ def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
 
 
 def make_step(system: str, topology: Topology) -> tuple[Callable, Callable]:
-    """The system's step (returns the loss) and what ends its work in flight."""
+    """The system's step (returns the loss) and what ends its work in flight. `topology`
+    is the one the "-gloo" systems are given: its DP group uses gloo's own collectives."""
     tp = TensorParallel.from_topology(topology, seed=0)
     model = GPT(CONFIG, tp, seed=0)
     if system == "ddp":
@@ -84,12 +99,12 @@ def make_step(system: str, topology: Topology) -> tuple[Callable, Callable]:
             return loss.item()
 
         return ddp_step, lambda: None
-    stage, _, waited = system.removeprefix("stage").partition("-")
+    stage, _, variant = system.removeprefix("stage").partition("-")
     config = EngineConfig(
         zero_stage=int(stage),
         grad_clip=CLIP,
         weight_decay=WEIGHT_DECAY,
-        overlap_param_gather=not waited,
+        overlap_param_gather=variant != "waited",
     )
     engine = Engine(model, topology, tp, config, units=list(model.blocks))
 
@@ -105,13 +120,17 @@ def make_step(system: str, topology: Topology) -> tuple[Callable, Callable]:
 def collective_costs(numel: int, repeats: int = 20) -> dict[str, dict[str, float]]:
     """Per call, milliseconds of CPU time (this process, all its threads) and of wall
     time of each collective stages 0-2 use, on `numel` fp32 elements, medians of
-    `repeats` after a warm-up call, the ranks aligned by a barrier before each."""
+    `repeats` after a warm-up call, the ranks aligned by a barrier before each: gloo's
+    own, and the pairwise exchanges (hybrid.pairwise) the engine uses on gloo."""
     full = torch.randn(numel - numel % 2)
     shard, gathered = torch.empty(full.numel() // 2), torch.empty(full.numel())
+    group = dist.group.WORLD
     calls = {
         "all_reduce": lambda: dist.all_reduce(full),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
-        "all_gather": lambda: dist.all_gather_into_tensor(gathered, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+        "all_gather": lambda: dist.all_gather_single(gathered, shard),
+        "pairwise reduce_scatter": lambda: pairwise.reduce_scatter(shard, full, group, 1).wait(),
+        "pairwise all_gather": lambda: pairwise.all_gather(gathered, shard, group, 2).wait(),
     }
     costs = {}
     for name, call in calls.items():
@@ -132,8 +151,9 @@ def job(systems: list[str], steps: int, block: int) -> dict[str, dict[str, float
     torch.set_num_threads(1)  # what torchrun gives each of several local ranks
     env = init_distributed()
     try:
-        topology = Topology.build(1)
-        steppers = {s: make_step(s, topology) for s in systems}
+        topology, gloo_own = Topology.build(1), Topology.build(1)
+        gloo_own.dp_group.pairwise = False
+        steppers = {s: make_step(s, gloo_own if s.endswith("-gloo") else topology) for s in systems}
         times: dict[str, list[float]] = {s: [] for s in systems}
         losses: dict[str, float] = {}
         data = batches(WARMUP + steps, topology.dp_rank)
@@ -174,7 +194,8 @@ def main() -> None:
         result = run_processes(job, 2, args.systems, args.steps, args.block, timeout_s=900)[0]
         c = result["collectives"]
         costs.append(c)
-        extra = c["reduce_scatter"]["cpu"] + c["all_gather"]["cpu"] - c["all_reduce"]["cpu"]
+        used = ("pairwise reduce_scatter", "pairwise all_gather")  # what the engine uses
+        extra = sum(c[name]["cpu"] for name in used) - c["all_reduce"]["cpu"]
         bounds.append(1 + extra / result[reference]["time"])
         for system in args.systems:
             times[system].append(result[system]["time"])
@@ -206,14 +227,14 @@ def main() -> None:
         "| collective | CPU time | wall time |",
         "|---|---|---|",
     ]
-    for name in ("all_reduce", "reduce_scatter", "all_gather"):
+    for name in costs[0]:
         cpu = statistics.median(c[name]["cpu"] for c in costs) * 1e3
         wall = statistics.median(c[name]["wall"] for c in costs) * 1e3
         lines.append(f"| {name} | {cpu:.2f} | {wall:.2f} |")
     lines += [
         "",
-        f"bound: stages 1-2 / {reference} >= 1 + (reduce-scatter + all-gather - all-reduce CPU "
-        f"time) / {reference} step = {statistics.median(bounds):.3f} "
+        f"bound: stages 1-2 / {reference} >= 1 + (pairwise reduce-scatter + all-gather - "
+        f"all-reduce CPU time) / {reference} step = {statistics.median(bounds):.3f} "
         f"({min(bounds):.3f}-{max(bounds):.3f}) on this machine",
     ]
     table = "\n".join(lines)

@@ -8,7 +8,9 @@ per (kind, group), the calls, the full-tensor bytes (hybrid.comm's convention: a
 all-reduce's tensor, an all-gather's output, a reduce-scatter's input) and the bytes a
 ring implementation sends from this rank (the ZeRO paper's section 7 convention):
 2 S (n-1)/n for an all-reduce of S bytes over n ranks, S (n-1)/n for an all-gather or
-reduce-scatter of S, S (n-1)/n for a broadcast (a pipelined ring's share per rank).
+reduce-scatter of S, S (n-1)/n for a broadcast (a pipelined ring's share per rank). A
+point-to-point send (hybrid.pairwise's exchanges on gloo) is counted as kind "send", its
+bytes sent as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _OPS = {
     "_reduce_scatter_base_": ("reduce_scatter", 1),  # the input
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "broadcast_": ("broadcast", 0),
+    "send": ("send", 0),
 }
 _RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "broadcast": 1.0}
 
@@ -68,7 +71,10 @@ class CollectiveTrace(TorchDispatchMode):
                 nbytes = _nbytes(args[index])
                 self.calls[kind, name] += 1
                 self.bytes[kind, name] += nbytes
-                self.sent[kind, name] += _RING[kind] * nbytes * (size - 1) / size
+                if kind == "send":
+                    self.sent[kind, name] += nbytes
+                else:
+                    self.sent[kind, name] += _RING[kind] * nbytes * (size - 1) / size
         return func(*args, **(kwargs or {}))
 
     def sent_by_group(self) -> dict[str, float]:

@@ -160,7 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--backend",
         choices=BACKENDS,
         default="nccl",
-        help="collectives' backend (gloo: CPU runs; its reduce-scatter copies its input)",
+        help="collectives' backend (gloo: CPU runs; its own collectives copy their buffers)",
     )
     p.add_argument("--peak-tflops", type=float, default=312.0, help="per GPU (A100 bf16: 312)")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak achieved")

@@ -3,7 +3,8 @@
 losses, an eval under no_grad and the final weights are bitwise those of the same run
 waiting for every gather in the step (fp32, dp=2, one bucket per layer). The overlap is
 seen from outside, in torch.profiler's record: forward matrix products start while a
-gloo all-gather is in flight, and none do when the step waits."""
+gather is in flight (gloo's all-gather, or the receives of the pairwise exchange the engine
+uses on gloo: hybrid.pairwise), and none do when the step waits."""
 
 from __future__ import annotations
 

@@ -42,8 +42,6 @@ from hybrid.memory import (
     parse_count,
     plan,
     precision_bytes,
-    step_layout,
-    step_moments,
     stored_activation_bytes,
 )
 from hybrid.tensor_parallel import TensorParallel, TPRandom
@@ -373,23 +371,13 @@ def test_step_time_counts_recomputation_and_zero_3_traffic() -> None:
 
 def test_overlap_off_waits_for_the_parameter_gathers_in_the_step() -> None:
     """parallel.overlap_param_gather=false reaches the engine, and the planner follows it:
-    stages 1-2 on gloo then hold no staged all-gather through the first forward (the step
-    waited for them), and the step's all-gather is all exposed instead of hidden behind
-    that forward. Stage 0 publishes nothing, so the setting changes nothing there."""
+    the step's all-gather is all exposed instead of hidden behind the next forward. Stage 0
+    publishes nothing, so the setting changes nothing there. (Memory does not depend on
+    it: the all-gathers write into the flat buffers in place, on gloo too.)"""
     tiny = PRESET_DIR / "tiny.yaml"
     off = load_config(tiny, ["parallel.overlap_param_gather=false"])
     assert engine_config(load_config(tiny), 2).overlap_param_gather
     assert not engine_config(off, 2).overlap_param_gather
-    units = [1000] * 4
-    for stage in (0, 1, 2):
-        names = {}
-        for overlap in (True, False):
-            given = Layout(2, zero_stage=stage, bucket_mb=0.001, overlap_param_gather=overlap)
-            layout = step_layout(given, "gloo")  # a bucket per unit
-            moments = step_moments(layout, 500, units, None)
-            names[overlap] = [m.name for m in moments if m.name.endswith("parameters arriving")]
-        assert len(names[True]) == (3 if stage else 0)  # layers 0-2 each receive a bucket
-        assert names[False] == []
     args = ["--config", "gpt2-1.5b", "--gpus", "64", "--tp", "1", "--micro-batch", "8"]
     for stage in (0, 1, 2):
         times = {

@@ -55,7 +55,6 @@ class StepLayout:
     bucket_mb: float = 25.0
     backend: str = "nccl"
     grad_reduce_dtype: str = "fp32"
-    overlap_param_gather: bool = True  # stages 1-2: the step's all-gathers end in forward
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

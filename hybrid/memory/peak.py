@@ -16,10 +16,7 @@ Each moment adds three kinds of bytes, each alive then by the engine's code
 The moments, for the last micro-batch of a step (earlier ones hold less: the last one
 carries the gradients of all before it):
 - forward, layer l: activations of the layers before l and all of layer l's; at stage 3
-  the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather); at
-  stages 1-2 on gloo, in the first micro-batch, the staging of the two buckets after l's
-  whose all-gathers are in flight (hybrid.zero.publish; none with
-  `overlap_param_gather=False`: the step waited for them);
+  the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather);
 - forward, loss: every layer's activations, the final norm's and the output layer's
   input, and the cross-entropy's working set on this rank's logits: the logits and the
   one fp32 buffer that becomes the softmax in place (e + 4 bytes per logit; 8 in fp32);
@@ -64,12 +61,15 @@ Which moment is the peak, and why (each seen in tests/test_plan_instrument.py):
   alive, three buckets gathered (root, current, prefetched) and two gradient buffers
   open.
 
-`backend="gloo"` (CPU) adds what torch 2.13's ProcessGroupGloo allocates: a copy of
-every reduce-scatter's input and a staging buffer for every all-gather's output (stage 3's
-prefetch, stages 1-2's publish after the step), from the call until its wait (NCCL needs
-none; measured with peak RSS: +30 MiB for a 28 MiB bucket either way). It is made
-inside the collective, so a tracker of torch's operations (MemTracker) sees it only once
-it is waited for; `Moment.seen` is a moment without what such a tracker cannot see.
+`backend="gloo"` (CPU) adds what torch 2.13's ProcessGroupGloo allocates where
+hybrid.comm uses gloo's own collectives: a copy of a reduce-scatter's input (groups of
+more than two ranks) and a staging buffer for stage 3's all-gathers' output, from the
+call until its wait (NCCL needs none; measured with peak RSS: +30 MiB for a 28 MiB bucket
+either way). It is made inside the collective, so a tracker of torch's operations
+(MemTracker) sees it only once it is waited for; `Moment.seen` is a moment without what
+such a tracker cannot see. The pairwise exchanges hybrid.comm runs instead (the
+reduce-scatter in a group of two, stages 1-2's all-gathers: hybrid.pairwise) write into
+the engine's own buffers and allocate nothing.
 
 Not counted (each under 1% of a layer at h >= 64): norm statistics, token ids, the
 loss's index tensors, the Adam step counters. The reserve (CUDA context, NCCL, allocator
@@ -245,8 +245,10 @@ class _Step:
 
     def _copy(self, bucket: int) -> float:
         """gloo's copy of a reduce-scatter's input, made inside the call and released
-        when its work is waited for and dropped (torch 2.13's ProcessGroupGloo)."""
-        return float(self.g * self.numels[bucket]) if self.layout.backend == "gloo" else 0.0
+        when its work is waited for and dropped (torch 2.13's ProcessGroupGloo); none in a
+        group of two, which exchanges pairwise (hybrid.comm)."""
+        gloo_own = self.layout.backend == "gloo" and self.layout.dp != 2
+        return float(self.g * self.numels[bucket]) if gloo_own else 0.0
 
     def _gather_copy(self, bucket: int) -> float:
         """gloo's staging of an all-gather's output (its own buffer of the output's size,
@@ -255,32 +257,16 @@ class _Step:
             return 0.0
         return float(self.e * self.numels[bucket]) if 0 <= bucket < len(self.numels) else 0.0
 
-    def _publish_copy(self, bucket: int) -> float:
-        """Stages 1-2 on gloo: the staging of bucket `bucket`'s all-gather after the step,
-        in flight through the first forward until that bucket's first unit runs
-        (hybrid.zero.publish: two at a time, in forward order)."""
-        if self.layout.backend != "gloo" or self.layout.stage not in (1, 2):
-            return 0.0
-        return float(self.e * self.numels[bucket]) if 0 <= bucket < len(self.numels) else 0.0
-
     # ---- moments ---------------------------------------------------------------------
 
     def moments(self) -> list[Moment]:
-        return [*self._forward(), *self._backward(), self._optimizer_step(), *self._publish()]
-
-    def _publish(self) -> list[Moment]:
-        """Stages 1-2 all-gather the updated parameters after the step, two buckets in
-        flight from the step's end (the first two, hybrid.zero.publish); on gloo each
-        stages its output in a buffer of its own until waited for."""
-        if self.layout.stage not in (1, 2) or self.layout.backend != "gloo":
-            return []
-        staged = self._publish_copy(0) + self._publish_copy(1)
-        return [self._moment("publish parameters", self.persistent, 0.0, staged, (), staged)]
+        return [*self._forward(), *self._backward(), self._optimizer_step()]
 
     def _forward(self) -> list[Moment]:
         """Stage 3 holds the root bucket through forward, each unit with the next one
-        prefetched (hybrid.zero.gather.ParameterGatherer.hook); at stages 1-2 the first
-        micro-batch's forward receives the step's all-gathers (hybrid.zero.publish)."""
+        prefetched (hybrid.zero.gather.ParameterGatherer.hook). Stages 1-2's all-gathers,
+        in flight into the first forward (hybrid.zero.publish), write into the flat
+        buffers in place: nothing more is held."""
         states = self.persistent + self.carried
         moments, below = [], self.embedding
         for layer, k in enumerate(self.bucket):
@@ -289,13 +275,6 @@ class _Step:
             staged = self._gather_copy(k + 1)  # the prefetch in flight
             moment = self._moment(name, states, activations, staged, (0, k, k + 1), staged)
             moments.append(moment)
-            arriving = self._publish_copy(k + 1) + self._publish_copy(k + 2)
-            # The first micro-batch (no gradients carried yet), when forward waits for them.
-            if arriving and self.layout.overlap_param_gather:
-                name += ", parameters arriving"
-                moments.append(
-                    self._moment(name, self.persistent, activations, arriving, (), arriving)
-                )
             below += self.kept[layer]
         activations = below + self.output + self.loss_forward
         moments.append(self._moment("forward, loss", states, activations, 0.0, (0,)))

@@ -181,8 +181,8 @@ def plan(
     """Memory, communication and (with `shape` and FLOPs per token) step time of `layout`.
     `flops_per_token` is what the GPUs execute (recomputation included), the model's
     own (`model_flops_per_token`) is for MFU. `memory["peak"]` is the step's peak per
-    rank, `memory["total"]` that plus `reserve`; `backend="gloo"` for CPU runs (its
-    reduce-scatter copies its input, hybrid.memory.peak)."""
+    rank, `memory["total"]` that plus `reserve`; `backend="gloo"` for CPU runs (gloo's
+    own collectives copy their buffers, hybrid.memory.peak)."""
     hardware = hardware or Hardware()
     stage, dp, tp = layout.zero_stage, layout.dp, layout.tp
     element, k = precision_bytes(layout.precision)
@@ -288,7 +288,6 @@ def step_layout(layout: Layout, backend: str = "nccl") -> StepLayout:
         bucket_mb=layout.bucket_mb,
         backend=backend,
         grad_reduce_dtype=layout.grad_reduce_dtype,
-        overlap_param_gather=layout.overlap_param_gather,
     )
 
 

@@ -93,7 +93,11 @@ class ParameterGatherer:
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         self._held.add(index)
         with torch.autograd._unsafe_preserve_version_counter(flat):
-            self._inflight[index] = self.group.all_gather_into(flat, self.shards[index])
+            # gloo's own all-gather: this one is waited for a unit later, on forward's
+            # critical path, where the pairwise exchange measured slower (hybrid.comm).
+            self._inflight[index] = self.group.all_gather_into(
+                flat, self.shards[index], gloo_own=True
+            )
 
     def gather(self, index: int) -> None:
         """Make bucket `index`'s full parameters usable now."""

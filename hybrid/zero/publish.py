@@ -9,9 +9,12 @@ the model; bucket k before the first unit it holds), so the later buckets' gathe
 while the earlier ones compute.
 
 At most `window` (2) gathers are in flight, issued in forward order (bucket 0 first):
-gloo stages each gather's output in a buffer of its own until it is waited for, so
-issuing every bucket at once would hold a second copy of all the parameters (measured:
-+0.3 GB of peak RSS on an 85M-parameter fp32 rank); waiting for one issues the next.
+gloo's own all-gather stages each gather's output in a buffer of its own until it is
+waited for, so issuing every bucket at once would hold a second copy of all the
+parameters (measured: +0.3 GB of peak RSS on an 85M-parameter fp32 rank); waiting for one
+issues the next. (The pairwise exchange hybrid.comm runs on gloo, like NCCL's in-place
+all-gather, writes into the flat buffer itself: there the window only bounds the
+messages in flight.)
 Every rank issues and waits in the same order (the module order of forward), so the
 collectives' order is deterministic, and the values gathered are those the step wrote:
 the losses are the same bit for bit as when every gather is waited for in the step.
@@ -54,7 +57,8 @@ class ParameterPublisher:
         while self._queued and len(self._in_flight) < self.window:
             k = self._queued.pop(0)
             # In place: the shard is this rank's slice of the output, where the gather puts
-            # it anyway (NCCL documents this case; gloo copies it onto itself).
+            # it anyway (NCCL documents this case; gloo's own copies it onto itself, the
+            # pairwise exchange leaves it).
             self._in_flight[k] = self.group.all_gather_into(self.flats[k], self.shards[k])
 
     def wait_for(self, bucket: int) -> None:
