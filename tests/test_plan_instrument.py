@@ -12,7 +12,7 @@ What is compared:
   MemTracker cannot see at that moment: gloo's copy of a reduce-scatter's input and its
   staging of an all-gather's output, made inside the collective and seen only once
   waited for (peak RSS shows them from the call: benchmarks/run_memory.py measures the
-  whole peak, staging included, within 3.2%). The planner's reserve (CUDA context, NCCL,
+  whole peak, staging included, within 2.7%). The planner's reserve (CUDA context, NCCL,
   fragmentation) has no CPU counterpart: not compared;
 - by category, where MemTracker's categories are ZeRO's: "Parameter" (the parameters'
   storage: the flat buffers at stages 0-2, the gathered buckets at stage 3) to the byte
