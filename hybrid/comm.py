@@ -142,7 +142,7 @@ class Group:
             out.copy_(flat)
             return Handle(None)
         self.counter.record("reduce_scatter", self.name, _nbytes(flat))
-        if self.pairwise and self.size == 2:
+        if self.pairwise and pairwise.reduces_pairwise(self.size):
             return Handle(pairwise.reduce_scatter(out, flat, self.process_group, self._tag()))
         work = dist.reduce_scatter_single(out, flat, group=self.process_group, async_op=True)
         return Handle(work)

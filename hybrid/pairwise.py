@@ -29,6 +29,13 @@ import torch.distributed as dist
 _TAGS = 1 << 30  # gloo tags are 32-bit; any fixed range that both sides number alike
 
 
+def reduces_pairwise(size: int) -> bool:
+    """Whether a group of `size` ranks reduce-scatters pairwise (`reduce_scatter`): two
+    only. hybrid.comm routes by it, and the planner counts gloo's copy of the input
+    (hybrid.memory.peak) where it is false."""
+    return size == 2
+
+
 class PairwiseWork:
     """The sends and receives of one exchange; `wait()` ends them and folds the result."""
 
@@ -38,9 +45,7 @@ class PairwiseWork:
         self.works, self.fold = works, fold  # fold: (out, what to add to it once received)
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
+        self._finish()
         if self.fold is not None:
             out, addend = self.fold
             out.add_(addend)
@@ -51,8 +56,12 @@ class PairwiseWork:
         # buffer (measured: the next collective on any group hangs). An exchange dropped
         # un-waited (an engine discarded with gathers under way) is finished here; its
         # peers posted the matching halves when they issued the same exchange.
+        self._finish()
+
+    def _finish(self) -> None:
         for work in self.works:
             work.wait()
+        self.works = []
 
 
 def reduce_scatter(
@@ -65,7 +74,7 @@ def reduce_scatter(
     space besides `out`, which the ZeRO accounting does not count: hybrid.comm keeps gloo's
     own reduce-scatter there."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if size != 2:
+    if not reduces_pairwise(size):
         raise ValueError(f"the pairwise reduce-scatter is for 2 ranks, not {size}")
     pieces, peer = flat.view(2, -1), 1 - rank
     works = [

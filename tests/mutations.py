@@ -850,7 +850,7 @@ MUTATIONS = [
     Mutation(
         "plan gloo's reduce-scatter copy in a group of two, which exchanges pairwise",
         "hybrid/memory/peak.py",
-        'self.layout.backend == "gloo" and self.layout.dp != 2',
+        'self.layout.backend == "gloo" and not reduces_pairwise(self.layout.dp)',
         'self.layout.backend == "gloo"',
         (
             "tests/test_plan_instrument.py::test_gloo_adds_its_copies_only_where_its_own_collectives_run",

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..pairwise import reduces_pairwise
 from ..zero.bucket import group_units, max_bucket_numel
 from .activations import TransformerShape, layer_bytes
 from .model_states import bucket_numels, grad_element_bytes, precision_bytes, zero_state_bytes
@@ -247,7 +248,7 @@ class _Step:
         """gloo's copy of a reduce-scatter's input, made inside the call and released
         when its work is waited for and dropped (torch 2.13's ProcessGroupGloo); none in a
         group of two, which exchanges pairwise (hybrid.comm)."""
-        gloo_own = self.layout.backend == "gloo" and self.layout.dp != 2
+        gloo_own = self.layout.backend == "gloo" and not reduces_pairwise(self.layout.dp)
         return float(self.g * self.numels[bucket]) if gloo_own else 0.0
 
     def _gather_copy(self, bucket: int) -> float:
