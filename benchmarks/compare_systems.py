@@ -104,8 +104,16 @@ def deepspeed_available(python: str) -> tuple[bool, str]:
     return False, f"`import deepspeed` failed under {python}: {error}"
 
 
-def launch(spec: JobSpec, python: str, out: Path, timeout_s: float, device: str) -> Row | str:
-    """Run one job; its rank JSONs, or the reason it failed (the log's last lines)."""
+def launch(
+    spec: JobSpec,
+    python: str,
+    out: Path,
+    timeout_s: float,
+    device: str,
+    breakdown: bool = False,
+) -> Row | str:
+    """Run one job; its rank JSONs, or the reason it failed (the log's last lines).
+    `breakdown`: the worker adds one step under MemTracker (compare.breakdown)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [
         python,
@@ -120,6 +128,7 @@ def launch(spec: JobSpec, python: str, out: Path, timeout_s: float, device: str)
         spec.to_json(),
         "--out",
         str(out),
+        *(["--breakdown"] if breakdown else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     if device == "cpu":

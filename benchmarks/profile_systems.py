@@ -36,7 +36,13 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: `benchmarks.compare
 
 import torch  # noqa: E402
 
-from benchmarks.compare.common import BenchConfig, JobSpec, global_batches, local_batch  # noqa: E402
+from benchmarks.compare.common import (  # noqa: E402
+    BenchConfig,
+    JobSpec,
+    forward_backward,
+    global_batches,
+    local_batch,
+)
 from benchmarks.compare.worker import trainer_class_of  # noqa: E402
 from hybrid.distributed import init_distributed, shutdown  # noqa: E402
 from hybrid.testing import run_processes  # noqa: E402
@@ -67,13 +73,13 @@ def profile_job(spec: JobSpec) -> dict:
         trainer = trainer_class_of(spec.system)(spec, torch.device("cpu"))
         batches = [local_batch(b, trainer.dp_rank, spec.dp) for b in global_batches(spec.bench)]
         for x, y in batches[: spec.bench.warmup]:
-            trainer.forward_backward(x, y)
+            forward_backward(trainer, x, y)
             trainer.optimizer_step()
         times = []
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for x, y in batches[spec.bench.warmup :]:
                 tick = time.perf_counter()
-                loss = trainer.forward_backward(x, y)
+                loss = forward_backward(trainer, x, y)
                 trainer.optimizer_step()
                 float(loss)
                 times.append(time.perf_counter() - tick)

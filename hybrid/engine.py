@@ -19,9 +19,12 @@ Buckets are the `units` (e.g. transformer layers) plus one for the remaining par
 Memory layout: at stages 0-2 every parameter is a view into its bucket's flat buffer, so
 the optimizer steps on (a slice of) that buffer and the all-gather writes into it with no
 copy. Gradients are copied once, from autograd into the bucket's flat gradient buffer, and
-released. That buffer, the micro-batch sums, the DP reduction and the shards are fp32 by
-default under bf16 and fp16 (`grad_reduce_dtype`, as Megatron and DeepSpeed do), or the
-16-bit compute dtype for half the traffic. In fp32 the fp32 master *is* the parameter
+released. A bucket's buffer is opened at its first gradient in backward and, at every
+stage, gone after the step (stage 0 keeps it only from backward to the step), so like a
+plain loop with `zero_grad(set_to_none=True)` no gradient lives through forward. That
+buffer, the micro-batch sums, the DP reduction and the shards are fp32 by default under
+bf16 and fp16 (`grad_reduce_dtype`, as Megatron and DeepSpeed do), or the 16-bit compute
+dtype for half the traffic. In fp32 the fp32 master *is* the parameter
 shard: no second copy.
 Collectives are issued asynchronously from the hooks and waited for at the end of
 backward, so communication overlaps the rest of backward.
@@ -127,10 +130,7 @@ class Engine:
         max_numel = max_bucket_numel(self.stage, config.bucket_mb, element)
         self.buckets = build_buckets(model, units, dp_size, dp_rank, max_numel)
         model.to(self.dtype)  # buffers; parameters move into the buckets' flat tensors
-        self.states = [
-            materialise(model, b, self.stage, self.dtype, device, self.grad_dtype)
-            for b in self.buckets
-        ]
+        self.states = [materialise(model, b, self.stage, self.dtype, device) for b in self.buckets]
         replace_meta_parameters(model, self.buckets, self.states)
         self._where = {
             id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)
@@ -296,27 +296,37 @@ class Engine:
         if self._overflow(grads):
             self.loss_scale /= 2.0
             self.good_steps = 0
-            self.optimizer.zero_grad(set_to_none=True)
+            self._release_gradients()
             return StepStats(float("nan"), True, self.loss_scale)
         norm = self._grad_norm()
         if not math.isfinite(norm):
             # A NaN or inf gradient anywhere (the norm is reduced over DP and TP, so every
             # rank sees it): no update, on every rank alike. The caller decides whether to
             # go on (train.on_nonfinite).
-            self.optimizer.zero_grad(set_to_none=True)
+            self._release_gradients()
             return StepStats(norm, True, self.loss_scale)
         if self.config.grad_clip > 0 and norm > self.config.grad_clip:
             torch._foreach_mul_(grads, self.config.grad_clip / (norm + 1e-6))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._release_gradients()
         self.publish_masters()
         if self.config.precision == "fp16":
             self.good_steps += 1
             if self.good_steps % self.config.loss_scale_window == 0:
                 self.loss_scale *= 2.0
         return StepStats(norm, False, self.loss_scale)
+
+    def _release_gradients(self) -> None:
+        """Drop every gradient of the step once it is used (or skipped): the master views'
+        `.grad` and, at stage 0, the full flat buffers too. Like a plain loop's
+        `zero_grad(set_to_none=True)`, nothing of the gradients then lives through the next
+        forward, on top of its activations; the next backward opens each bucket's buffer
+        again at its first gradient (`_on_grad`)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for state in self.states:
+            state.grad_flat = None
 
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
         """Any non-finite gradient on any rank skips the step on every rank."""

@@ -40,6 +40,25 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "stage 0 keeps its full gradient buffers through the next forward",
+        "hybrid/engine.py",
+        "        for state in self.states:\n            state.grad_flat = None\n",
+        "        for state in self.states:\n            pass\n",
+        (
+            "tests/test_memory_vs_plain.py::test_no_gradient_is_alive_during_forward",
+            "tests/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
+        ),
+    ),
+    Mutation(
+        "keep autograd's gradient after copying it into the bucket",
+        "hybrid/engine.py",
+        "        param.grad = None\n        state.ready += 1\n",
+        "        state.ready += 1\n",
+        (
+            "tests/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
+        ),
+    ),
+    Mutation(
         "skip the DP all-reduce of the gradient norm",
         "hybrid/engine.py",
         "            self.dp.all_reduce(squares)\n",

@@ -226,15 +226,33 @@ def make_adamw(groups: list[dict[str, Any]], bench: BenchConfig) -> torch.optim.
     )
 
 
+def load_lazy_imports(device: torch.device) -> None:
+    """Import, before any system's baseline, what torch imports on first use whichever
+    system triggers it: torch's first optimizer constructor imports torch._dynamo (with
+    sympy, DTensor and FSDP: about 70 MB resident here), and its first fused step loads
+    that kernel. Without this the baseline of a system whose adapter happened to import
+    DTensor early (the torch peers) already held part of it while ours paid it after its
+    baseline, inside its measured peak."""
+    import torch.distributed.fsdp
+    import torch.distributed.tensor
+
+    param = torch.nn.Parameter(torch.zeros(8, device=device))
+    optimizer = torch.optim.AdamW([param], fused=True)
+    param.grad = torch.zeros_like(param)
+    optimizer.step()
+
+
 # ---- the loop -------------------------------------------------------------------------------
 
 
 class Trainer(Protocol):
     """A system ready to train: what the shared loop needs from it."""
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of this rank's batch; the local mean loss, detached."""
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward of this rank's batch: the local mean loss, attached to the graph."""
         ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
 
     def optimizer_step(self) -> None: ...
 
@@ -251,6 +269,14 @@ class Trainer(Protocol):
         ...
 
 
+def forward_backward(trainer: Trainer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One forward and backward; the local mean loss, detached (a DTensor's local part)."""
+    loss = trainer.forward(x, y)
+    trainer.backward(loss)
+    local = getattr(trainer, "local_loss", None)
+    return (local(loss) if local else loss).detach()
+
+
 def train(
     trainer: Trainer,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -265,7 +291,7 @@ def train(
         raise ValueError("warmup must be at least 2: optimizer states exist from step 2 on")
     if len(batches) <= warmup:
         raise ValueError(f"{len(batches)} batches leave no timed step after {warmup} warm-up")
-    losses, times = [], []
+    losses, times, cpu_times = [], [], []
     comm: dict[str, Any] = {}
     memory: dict[str, Any] = {}
     exclude = [t for pair in batches for t in pair]
@@ -274,23 +300,27 @@ def train(
             meter.start()
         instrument = i == warmup - 1
         counter = CommCounter() if instrument else contextlib.nullcontext()
-        tick = time.perf_counter()
+        tick, cpu_tick = time.perf_counter(), time.process_time()
         with counter:
-            loss = trainer.forward_backward(x, y)
+            loss = forward_backward(trainer, x, y)
             if instrument:
                 memory = settled_tensor_bytes(trainer.tensor_roles(), exclude)
             trainer.optimizer_step()
             losses.append(float(loss))
         elapsed = time.perf_counter() - tick
+        cpu = time.process_time() - cpu_tick  # every thread of the process (gloo's too)
         if isinstance(counter, CommCounter):
             comm = counter.summary()
         if i >= warmup:
             times.append(elapsed)
+            cpu_times.append(cpu)
     peak = meter.stop()
     return {
         "losses": losses,
         "times": times,
         "median_time": statistics.median(times),
+        "cpu_times": cpu_times,
+        "median_cpu_time": statistics.median(cpu_times),
         "comm": comm,
         "memory": memory,
         "peak": peak,

@@ -68,10 +68,11 @@ class DeepSpeedTrainer:
         )
         self.dp_rank, self.tp_rank = self.engine.global_rank, 0
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.engine(x, y)
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.engine(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
-        return loss.detach()
 
     def optimizer_step(self) -> None:
         self.engine.step()

@@ -40,10 +40,11 @@ class OursTrainer:
         self.dp_rank, self.tp_rank = self.topology.dp_rank, self.topology.tp_rank
         self.steps = 0
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.engine(x, y)
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.engine(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
-        return loss.detach()
 
     def optimizer_step(self) -> None:
         self.engine.step(self.lr)

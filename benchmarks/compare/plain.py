@@ -59,13 +59,14 @@ class PlainTrainer(ModuleTrainer):
         self.dp_rank = dist.get_rank() if spec.system == "floor" else 0
         self.tp_rank = 0
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         autocast = (
             torch.autocast(self.device_type, torch.bfloat16)
             if self.bf16
             else contextlib.nullcontext()
         )
         with autocast:
-            loss = self.model(x, y)
+            return self.model(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        return loss.detach()

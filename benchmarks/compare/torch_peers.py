@@ -113,21 +113,25 @@ class TorchTrainer(ModuleTrainer):
         self.clip = bench.grad_clip
         self.tensor_parallel = spec.tp > 1
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _parallel_loss(self) -> contextlib.AbstractContextManager:
+        return loss_parallel() if self.tensor_parallel else contextlib.nullcontext()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # FSDP2 casts by its mixed-precision policy; the others autocast on GPU.
         autocast = (
             torch.autocast(self.device_type, torch.bfloat16)
             if self.bf16 and "fsdp2" not in self.system
             else contextlib.nullcontext()
         )
-        parallel_loss = loss_parallel() if self.tensor_parallel else contextlib.nullcontext()
-        with parallel_loss:
-            with autocast:
-                loss = self.module(x, y)
+        with self._parallel_loss(), autocast:
+            return self.module(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self._parallel_loss():
             loss.backward()
-        if isinstance(loss, DTensor):
-            loss = loss.to_local()  # replicated over TP
-        return loss.detach()
+
+    def local_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.to_local() if isinstance(loss, DTensor) else loss  # replicated over TP
 
     def clip_gradients(self) -> None:
         if self.tensor_parallel:

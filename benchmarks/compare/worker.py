@@ -22,7 +22,8 @@ import torch
 
 from hybrid.distributed import init_distributed, shutdown
 
-from .common import JobSpec, global_batches, local_batch, machine, train
+from .breakdown import breakdown_step
+from .common import JobSpec, global_batches, load_lazy_imports, local_batch, machine, train
 from .metrics import PeakMeter
 
 # system -> (module, trainer class); imported on demand so that only DeepSpeed's own jobs
@@ -45,7 +46,7 @@ def trainer_class_of(system: str) -> type:
     return getattr(importlib.import_module(f"{__package__}.{module_name}"), class_name)
 
 
-def run(spec: JobSpec, out: Path) -> dict:
+def run(spec: JobSpec, out: Path, breakdown: bool = False) -> dict:
     # torchrun gives every local rank OMP_NUM_THREADS=1 when it starts several; the driver
     # sets it for one-process jobs too, so every rank computes on one thread.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -57,8 +58,10 @@ def run(spec: JobSpec, out: Path) -> dict:
         torch.manual_seed(0)
         device = env.device if spec.bench.device == "cuda" else torch.device("cpu")
         global_ = global_batches(spec.bench)  # the harness's data (KBs), before the baseline
-        # Everything is imported (the system's module above) and the process group is up:
-        # what the process holds from here on is the system's.
+        load_lazy_imports(device)
+        # Everything is imported (the system's module above, what torch imports on first
+        # use) and the process group is up: what the process holds from here on is the
+        # system's.
         meter = PeakMeter(device)
         tick = time.perf_counter()
         trainer = trainer_class(spec, device)
@@ -67,6 +70,8 @@ def run(spec: JobSpec, out: Path) -> dict:
             tuple(t.to(device) for t in local_batch(b, trainer.dp_rank, spec.dp)) for b in global_
         ]
         result = train(trainer, batches, spec.bench.warmup, meter)
+        if breakdown:  # after the measured window: the tracker slows every operation
+            result["breakdown"] = breakdown_step(trainer, *batches[-1])
         result.update(
             spec=json.loads(spec.to_json()),
             rank=env.rank,
@@ -87,8 +92,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="a JobSpec as JSON")
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<R>.json")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="then one more step under MemTracker: the peak by category and phase",
+    )
     args = parser.parse_args()
-    run(JobSpec.from_json(args.spec), args.out)
+    run(JobSpec.from_json(args.spec), args.out, args.breakdown)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Each moment adds three kinds of bytes, each alive then by the engine's code
 (hybrid.engine, hybrid.zero, models/gpt, hybrid.recompute):
 - model states: ZeRO's (Rajbhandari et al. 2020, arXiv 1910.02054, section 5): the
   parameters (flat buffers at stages 0-2, shards at 3), fp32 master and Adam moments, the
-  persistent gradient buffer at stage 0 and the gradient shards reduced so far at 1-3;
+  gradients of the step so far: stage 0's full buffers opened by backward (each bucket's
+  at its first gradient, kept to the step, released by it) and the shards reduced so far
+  at 1-3;
 - activations: what autograd keeps (Korthikanti et al. 2022, arXiv 2205.05198, section 4,
   hybrid.memory.activations) for the layers not yet back-propagated, and the transients
   of the operation running then;
@@ -141,15 +143,14 @@ class _Step:
             layout.bucket_mb,
             grad_reduce_dtype=layout.grad_reduce_dtype,
         )
-        # Held for the whole run: parameters, master and moments, stage 0's gradients.
+        # Held for the whole run: parameters, master and moments. Gradients are not: the
+        # step releases them, stage 0's full buffers too (hybrid.engine._release_gradients).
         self.persistent = float(states["parameters"] + states["optimizer"])
-        if stage == 0:
-            self.persistent += states["gradients"]
-        # Gradients the earlier micro-batches left: stage 1 accumulates full buffers (it
-        # reduces in the last backward only), stages 2-3 reduced shards.
+        # Gradients the earlier micro-batches left: stages 0-1 accumulate full buffers
+        # (they reduce in the last backward only), stages 2-3 reduced shards.
         self.carried = 0.0
-        if layout.micro_batches > 1 and stage >= 1:
-            self.carried = self.g * sum(self.numels if stage == 1 else self.shards)
+        if layout.micro_batches > 1:
+            self.carried = self.g * sum(self.numels if stage <= 1 else self.shards)
         self._activations(len(units))
 
     def _activations(self, layers: int) -> None:
@@ -231,11 +232,21 @@ class _Step:
             return float(self.g * (self.numels[0] + sum(self.numels[1 : bucket + 1])))
         return float(self.g * (self.numels[0] + (self.numels[bucket] if bucket else 0)))
 
+    def _kept_open(self, layer: int) -> float:
+        """Stage 0 in one micro-batch: the full gradient buffers backward has opened by
+        `layer` (the root bucket's first, then each unit bucket's at its first gradient),
+        all kept to the step: the step's gradients, a model state. (After earlier
+        micro-batches every buffer is there: `carried`.)"""
+        if self.layout.stage != 0 or self.carried:
+            return 0.0
+        opened = {0, *self.bucket[layer:]}
+        return float(self.g * sum(self.numels[k] for k in opened))
+
     def _opens(self, layer: int) -> bool:
         """Whether `layer`'s backward opens its bucket's gradient buffer (the first
-        layer of the bucket that backward reaches; none is opened after stage 1's
+        layer of the bucket that backward reaches; none is opened after stages 0-1's
         earlier micro-batches: the buffers are there)."""
-        if self.layout.stage == 0 or (self.layout.stage == 1 and self.carried):
+        if self.layout.stage <= 1 and self.carried:
             return False
         return layer + 1 == len(self.bucket) or self.bucket[layer + 1] != self.bucket[layer]
 
@@ -300,7 +311,7 @@ class _Step:
             ),
             self._moment(
                 "backward, output layer",
-                states,
+                states + (self._kept_open(len(self.bucket)) if not self.tied else 0.0),
                 everything + self.logit_grad + self.residual + 2 * self.gathered_input,
                 output,
                 (0, last),
@@ -309,7 +320,7 @@ class _Step:
         ]
         held = self.table if self.tied else 0.0
         # Stage 1's carried full buffers are counted as open buffers below.
-        states = self.persistent + (self.carried if stage >= 2 else 0.0)
+        states = self.persistent + (self.carried if stage != 1 else 0.0)
         new_shards = self.carried == 0.0 or stage == 1  # else folded into carried ones
         pending = copy = 0.0  # the reduction in flight, and gloo's copy in it
         below = everything - self.output
@@ -319,6 +330,7 @@ class _Step:
             previous = k - 1 if k > 1 else -1  # prefetched at stage 3 (bucket 0 is held)
             activations = below + self.working[layer] + self.flow
             buffers = held + self._open(k) + pending
+            grads = self._kept_open(layer)  # stage 0's, kept to the step
             if self._opens(layer):
                 # Bucket k's buffer opens with its first gradient, the projection's weight
                 # gradient, after the projection's backward released its saved input:
@@ -326,13 +338,15 @@ class _Step:
                 opening = self.g * self.numels[k]
                 if opening > self.proj_input:
                     activations -= self.proj_input
+                elif stage == 0:
+                    grads -= opening
                 else:
                     buffers -= opening
             name = f"backward, layer {layer}"
             gathered = (0, k, previous)
             staged = self._gather_copy(previous)
             moment = self._moment(
-                name, states, activations, buffers + staged, gathered, copy + staged, held
+                name, states + grads, activations, buffers + staged, gathered, copy + staged, held
             )
             moments.append(moment)
             if stage >= 1 and (layer == 0 or self.bucket[layer - 1] != k):
@@ -357,8 +371,9 @@ class _Step:
         tables = self.table + 2 * held
         buffers = self._open(0) + pending + tables
         name = "backward, embedding"
+        grads = self._kept_open(0)  # every buffer opened
         moments.append(
-            self._moment(name, states, self.embedding, buffers, (0,), copy, autograd=tables)
+            self._moment(name, states + grads, self.embedding, buffers, (0,), copy, autograd=tables)
         )
         if stage >= 1:
             buffers = self._in_flight(0) + pending
@@ -374,10 +389,9 @@ class _Step:
         g, stage = self.g, self.layout.stage
         shards = self.shards if stage >= 1 else self.numels
         if g == FP32:
-            held = 0.0 if stage == 0 else g * sum(shards)
-            states, buffers = self.persistent + held, 0.0
-        else:
-            states = self.persistent
+            states, buffers = self.persistent + g * sum(shards), 0.0
+        else:  # stage 0 keeps its 16-bit buffers (the shards' source) through the step
+            states = self.persistent + (g * sum(shards) if stage == 0 else 0.0)
             buffers = FP32 * sum(shards) + (g * shards[-1] if stage >= 1 else 0.0)
         if self.layout.precision == "fp16":  # the overflow check's boolean masks
             buffers += 2 * max(shards)

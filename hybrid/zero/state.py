@@ -24,7 +24,7 @@ class BucketState:
     param_flat: torch.Tensor | None
     param_shard: torch.Tensor
     master: torch.Tensor
-    grad_flat: torch.Tensor | None  # full gradients (persistent at stage 0)
+    grad_flat: torch.Tensor | None  # full gradients (stage 0: from backward to the step)
     filled: list[bool]  # which parameters' gradients are in grad_flat this step
     grad_shard: torch.Tensor | None = None  # reduced gradients of this rank's shard
     exp_avg: torch.Tensor | None = None  # Adam's moments over the master shard (fp32)
@@ -72,13 +72,12 @@ def materialise(
     stage: int,
     dtype: torch.dtype,
     device: torch.device,
-    grad_dtype: torch.dtype | None = None,
 ) -> BucketState:
     """Allocate the bucket's tensors on `device` and fill them from the parameters (or
     their initial values): all of them at stages 0-2, only this rank's shard at stage 3,
     so under stage 3 the full bucket never exists on one rank, and a model built on meta
-    computes (draws) only the elements of that shard. Stage 0's persistent gradient
-    buffer is of `grad_dtype` (default: `dtype`)."""
+    computes (draws) only the elements of that shard. No gradient buffer is made here:
+    the engine opens each bucket's at its first gradient, in `grad_dtype`."""
     if stage < 3:
         flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
         for i, (name, p) in enumerate(zip(bucket.names, bucket.params, strict=True)):
@@ -95,9 +94,7 @@ def materialise(
             value = initial_values(model, bucket.names[i], bucket.params[i], start, end)
             shard[offset : offset + end - start] = value
     master = shard if dtype == torch.float32 else shard.float()
-    grad_dtype = dtype if grad_dtype is None else grad_dtype
-    grads = torch.zeros(bucket.numel, dtype=grad_dtype, device=device) if stage == 0 else None
-    state = BucketState(flat, shard, master, grads, [False] * len(bucket.params))
+    state = BucketState(flat, shard, master, None, [False] * len(bucket.params))
     state.exp_avg, state.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     return state
 
