@@ -75,7 +75,8 @@ def rows_of(spec: JobSpec, ranks: list[dict] | str) -> list[str]:
         label = spec.label if name == "peak" else f"&nbsp;&nbsp;{name}"
         where = f" ({snap['phase']})" if name == "peak" else ""
         cells = " | ".join(f"{snap[c] / MiB:.1f}" for c in CATEGORIES)
-        first = f"{rss:.1f}" if name == "peak" else ""
+        phase_rss = rank.get("rss_phases", {}).get(name)
+        first = f"{rss:.1f}" if name == "peak" else (f"{phase_rss / MiB:.1f}" if phase_rss else "")
         out.append(f"| {label}{where} | {first} | {snap['total'] / MiB:.1f} | {cells} |")
     return out
 

@@ -151,6 +151,28 @@ class PhaseMemoryTracker(MemTracker):
         return {"peak": {**phases[peak_phase], "phase": peak_phase}, "phases": phases}
 
 
+def rss_by_phase(trainer: Any, x: torch.Tensor, y: torch.Tensor, meter: Any) -> dict[str, int]:
+    """One more step with the kernel's high-water mark reset before each phase: the peak
+    RSS above the job's baseline (metrics.PeakMeter's rule) in forward, backward and the
+    step, no tracker running. Where RSS and MemTracker disagree, this says in which phase
+    the bytes no tracker sees (C++-held, the allocator's) are."""
+    from .metrics import _proc_status, peak_rss, reset_peak_rss
+
+    base = meter.baseline_rss - meter.baseline_file
+    out: dict[str, int] = {}
+
+    def measured(name: str, run: Callable[[], Any]) -> Any:
+        reset_peak_rss()
+        value = run()
+        out[name] = peak_rss() - (_proc_status("RssFile") or 0) - base
+        return value
+
+    held: list[torch.Tensor] = [measured("forward", lambda: trainer.forward(x, y))]
+    measured("backward", lambda: trainer.backward(held.pop()))
+    measured("step", trainer.optimizer_step)
+    return out
+
+
 def optimizers_of(owner: Any, depth: int = 3) -> list[torch.optim.Optimizer]:
     """The torch optimizers an adapter holds: in its attributes, and theirs (DeepSpeed's
     ZeRO optimizer wraps torch's), a few levels deep; each once."""

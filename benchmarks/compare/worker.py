@@ -22,7 +22,7 @@ import torch
 
 from hybrid.distributed import init_distributed, shutdown
 
-from .breakdown import breakdown_step
+from .breakdown import breakdown_step, rss_by_phase
 from .common import JobSpec, global_batches, load_lazy_imports, local_batch, machine, train
 from .metrics import PeakMeter
 
@@ -71,6 +71,7 @@ def run(spec: JobSpec, out: Path, breakdown: bool = False) -> dict:
         ]
         result = train(trainer, batches, spec.bench.warmup, meter)
         if breakdown:  # after the measured window: the tracker slows every operation
+            result["rss_phases"] = rss_by_phase(trainer, *batches[-1], meter)
             result["breakdown"] = breakdown_step(trainer, *batches[-1])
         result.update(
             spec=json.loads(spec.to_json()),
