@@ -64,6 +64,7 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: `benchmarks.compare
 from benchmarks.compare import gpu  # noqa: E402
 from benchmarks.compare.common import SYSTEMS, BenchConfig, JobSpec, machine  # noqa: E402
 from benchmarks.compare.report import MB, Row, chart, checks, table  # noqa: E402
+from launch.matmul_rate import native_bf16  # noqa: E402
 
 
 def plan(bench: BenchConfig, recompute: list[bool], systems: set[str]) -> list[JobSpec]:
@@ -174,7 +175,25 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         "steps": args.steps,
         "warmup": args.warmup,
     }
-    return replace(base, device=args.device, **{k: v for k, v in shape.items() if v is not None})
+    precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    given = {k: v for k, v in shape.items() if v is not None}
+    return replace(base, device=args.device, precision=precision, **given)
+
+
+def bf16_line(bench: BenchConfig) -> str:
+    """Why this table is or is not in bf16 on this CPU (a timed GEMM says, not the name)."""
+    if bench.device != "cpu":
+        return f"Precision: {bench.precision} on {bench.device}."
+    native, detail = native_bf16()
+    if bench.bf16:
+        return f"Precision: bf16 ({detail})."
+    verdict = (
+        "the bf16 pairs run with `--precision bf16` (into results_bf16.md)"
+        if native
+        else "the bf16 pairs are absent: their times would measure torch's emulated "
+        "bf16 kernels, not the systems"
+    )
+    return f"Precision: fp32. {detail}: {verdict}."
 
 
 def main() -> None:
@@ -207,10 +226,16 @@ def main() -> None:
         choices=["cpu", "cuda"],
         help="cuda: one GPU per rank, bf16 (untested here: no GPU was at hand)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        help="default fp32 on CPU, bf16 on CUDA; bf16 on CPU only with native bf16 kernels "
+        "(a timed matmul decides) and --out defaults to results_bf16.md",
+    )
     parser.add_argument("--python", default=sys.executable, help="interpreter of the jobs")
     parser.add_argument("--job-timeout", type=float, default=900.0)
     parser.add_argument("--raw-dir", type=Path, help="keep each job's JSON and log here")
-    parser.add_argument("--out", type=Path, default=HERE / "results.md")
+    parser.add_argument("--out", type=Path, help="default benchmarks/results.md")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU section")
     gpu.add_arguments(parser)
     args = parser.parse_args()
@@ -218,6 +243,15 @@ def main() -> None:
         parser.error("--rounds must be even (or 1): each pair then runs in each order equally")
 
     bench = bench_config(args)
+    if bench.device == "cpu" and bench.bf16:
+        native, detail = native_bf16()
+        if not native:
+            parser.error(f"{detail}: bf16 times would measure the emulation; use fp32")
+    args.out = args.out or HERE / (
+        "results_bf16.md" if bench.bf16 and bench.device == "cpu" else "results.md"
+    )
+    precision_line = bf16_line(bench)
+    print(precision_line, flush=True)
     skipped: dict[str, str] = {}
     systems = set(args.systems)
     if "deepspeed" in systems:
@@ -290,6 +324,8 @@ def main() -> None:
         f"{info['platform']}. Python {info['python']}, torch {info['torch']}, "
         f"DeepSpeed {deepspeed_version}.",
         "",
+        precision_line,
+        "",
         f"Model: GPT-2 style, {params / 1e6:.1f}M parameters: {bench.n_layer} layers, "
         f"{bench.n_head} heads, d_model {bench.d_model}, seq {bench.seq_len}, vocab "
         f"{bench.vocab_size} (bytes of the bundled Shakespeare), tied embeddings, dropout 0, "
@@ -315,7 +351,7 @@ def main() -> None:
         + (
             "torch.cuda.max_memory_allocated over the timed steps (reset just before them) "
             "minus memory_allocated at the baseline"
-            if bench.bf16
+            if bench.device == "cuda"
             else "VmHWM after the timed steps (reset to VmRSS just before them, by writing 5 to "
             "/proc/self/clear_refs) minus VmRSS at the baseline, less the growth of file-backed "
             "pages (RssFile: library code the first steps page in, flat over the timed steps); "

@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: `benchmarks.compare
 
 from benchmarks.compare.breakdown import CATEGORIES, PHASES  # noqa: E402
 from benchmarks.compare.common import BenchConfig, JobSpec, machine  # noqa: E402
-from benchmarks.compare_systems import deepspeed_available, launch  # noqa: E402
+from benchmarks.compare_systems import bf16_line, deepspeed_available, launch  # noqa: E402
 
 MiB = 2**20
 WIDTHS = {  # --width: the model's shape (vocab 256: the corpus's bytes)
@@ -142,6 +142,8 @@ def main() -> None:
         f"({bench.n_layer} layers, d_model {bench.d_model}, seq {bench.seq_len}, vocab "
         f"{bench.vocab_size}), fp32, global batch {bench.global_batch}, torch AdamW (fused) "
         "for every system, clipping at 1.0.",
+        "",
+        bf16_line(bench),
         "",
         "Per job, the rank with the largest peak RSS. **Peak RSS above baseline**: VmHWM "
         "over the timed steps minus VmRSS after imports and process-group start "

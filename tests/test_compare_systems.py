@@ -327,3 +327,21 @@ def test_the_report_flags_a_peak_below_the_model_states() -> None:
         or ", peak above baseline |" in line
         for line in lines
     )
+
+
+def test_bf16_pairs_follow_a_timed_matmul_not_the_cpus_name(monkeypatch) -> None:
+    """Where the probe reports emulated bf16 (AVX2 only: ~1/60 of fp32), the bf16 pairs are
+    absent and the report says why with the measured rates; where it reports native
+    kernels, it says how to run them."""
+    import benchmarks.compare_systems as compare
+    import launch.matmul_rate as rate
+
+    assert rate.matmul_gflops(torch.float32, size=64) > 0.0  # the real probe, unpatched
+    speeds = {torch.bfloat16: 0.8, torch.float32: 50.0}
+    monkeypatch.setattr(rate, "matmul_gflops", lambda dtype, device="cpu", size=256: speeds[dtype])
+    monkeypatch.setattr(compare, "native_bf16", rate.native_bf16)
+    line = compare.bf16_line(BENCH)
+    assert "absent" in line and "0.8 GFLOP/s" in line and "50.0 GFLOP/s" in line
+    speeds[torch.bfloat16] = 120.0
+    assert "--precision bf16" in compare.bf16_line(BENCH)
+    assert rate.native_bf16()[0]
