@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from .checkpoint_chunks import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner
-from .checkpoint_files import (
+from hybrid.checkpoint_chunks import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner
+from hybrid.checkpoint_files import (
     CheckpointError,
     SafeReader,
     barrier,
@@ -48,10 +48,10 @@ from .checkpoint_files import (
     record_checksums,
     save_rng,
 )
-from .checkpoint_hashing import HashingWriter
-from .engine import Engine
-from .tensor_parallel import ShardSpec, parameter_shards
-from .tensor_parallel.shards import full_shape
+from hybrid.checkpoint_hashing import HashingWriter
+from hybrid.engine import Engine
+from hybrid.tensor_parallel import ShardSpec, parameter_shards
+from hybrid.tensor_parallel.shards import full_shape
 
 TENSORS = ("model", "exp_avg", "exp_avg_sq")
 

@@ -27,7 +27,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .checkpoint_raw import RawReadMixin
+from hybrid.checkpoint_raw import RawReadMixin
 
 STATE_FILE = "trainer_state.json"
 TRASH = ".trash-"  # checkpoints past `keep`, renamed, then deleted in a thread

@@ -28,8 +28,8 @@ from typing import Any
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .checkpoint_files import CHECKSUM
-from .checkpoint_raw import RawWriter
+from hybrid.checkpoint_files import CHECKSUM
+from hybrid.checkpoint_raw import RawWriter
 
 COPY_BELOW = 1 << 16  # bytes: buffers this small are copied (and gathered) to be hashed
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .checkpoint_files import CheckpointError, SafeReader
+from hybrid.checkpoint_files import CheckpointError, SafeReader
 
 
 class _IndexedReader(SafeReader):

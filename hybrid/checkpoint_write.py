@@ -29,8 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import WriteItem
 
-from .checkpoint_chunks import ChunkedTensor, ChunkSavePlanner
-from .checkpoint_raw import RawWriter
+from hybrid.checkpoint_chunks import ChunkedTensor, ChunkSavePlanner
+from hybrid.checkpoint_raw import RawWriter
 
 TensorLayout = list[tuple[str, tuple[int, ...], torch.dtype]]
 Produce = Callable[[str, int, int], torch.Tensor]

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
-from .checkpoint_files import step_name
-from .engine import Engine
+from hybrid import checkpoint
+from hybrid.checkpoint_files import step_name
+from hybrid.engine import Engine
 
 
 class CheckpointWriter:

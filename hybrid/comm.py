@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import pairwise
+from hybrid import pairwise
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .host_memory import release_freed_memory
+from hybrid.host_memory import release_freed_memory
 
 
 @dataclass(frozen=True)

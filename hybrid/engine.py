@@ -42,16 +42,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Handle
-from .full_state import full_tensors
-from .tensor_parallel import TensorParallel
-from .topology import Topology
-from .zero.accounting import model_state_bytes, nbytes, transient_bytes
-from .zero.bucket import build_buckets, max_bucket_numel
-from .zero.gather import ParameterGatherer
-from .zero.optimizer import make_adamw
-from .zero.publish import ParameterPublisher
-from .zero.state import materialise, replace_meta_parameters
+from hybrid.comm import Handle
+from hybrid.full_state import full_tensors
+from hybrid.tensor_parallel import TensorParallel
+from hybrid.topology import Topology
+from hybrid.zero.accounting import model_state_bytes, nbytes, transient_bytes
+from hybrid.zero.bucket import build_buckets, max_bucket_numel
+from hybrid.zero.gather import ParameterGatherer
+from hybrid.zero.optimizer import make_adamw
+from hybrid.zero.publish import ParameterPublisher
+from hybrid.zero.state import materialise, replace_meta_parameters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from .engine import Engine
+from hybrid.engine import Engine
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 _TOTAL = "Total"

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .tensor_parallel import parameter_shards
-from .tensor_parallel.shards import full_shape, gather_full
+from hybrid.tensor_parallel import parameter_shards
+from hybrid.tensor_parallel.shards import full_shape, gather_full
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from hybrid.engine import Engine
 
 TensorLayout = list[tuple[str, tuple[int, ...], torch.dtype]]
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .tensor_parallel.random import TPRandom
+from hybrid.tensor_parallel.random import TPRandom
 
 
 class Recompute(enum.Enum):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .comm import CollectiveCounter, Group
+from hybrid.comm import CollectiveCounter, Group
 
 
 def check_layout(world_size: int, tp: int) -> int:

@@ -29,8 +29,7 @@ from hybrid.checkpoint_writer import CheckpointWriter
 from hybrid.engine import Engine
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
-
-from .config import Config, ConfigError, to_dict
+from launch.config import Config, ConfigError, to_dict
 
 
 def checkpoint_root(config: Config) -> Path:

@@ -16,17 +16,16 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hybrid.distributed import init_distributed, shutdown, world_size_from_env
-
-from .checkpointing import resume_candidate, verify_resume
-from .config import Config, ConfigError, validate_layout
-from .data.hf_folders import check_hf_folders
-from .data.mixture import check_sources
-from .data.shards import TokenShards, is_token_shards
-from .data.token_file import resolve_files
-from .data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
-from .memory_check import check_memory
-from .preemption import NonFiniteLoss
-from .training import train
+from launch.checkpointing import resume_candidate, verify_resume
+from launch.config import Config, ConfigError, validate_layout
+from launch.data.hf_folders import check_hf_folders
+from launch.data.mixture import check_sources
+from launch.data.shards import TokenShards, is_token_shards
+from launch.data.token_file import resolve_files
+from launch.data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
+from launch.memory_check import check_memory
+from launch.preemption import NonFiniteLoss
+from launch.training import train
 
 
 def parse_args(argv: list[str] | None, prog: str, description: str) -> argparse.Namespace:

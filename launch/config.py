@@ -20,13 +20,12 @@ import yaml
 
 from hybrid.memory.units import parse_bytes
 from hybrid.topology import check_layout
+from launch.config_tree import ConfigError as ConfigError
+from launch.config_tree import build, set_dotted
+from launch.config_tree import to_dict as to_dict
+from launch.config_tree import valid_keys as _valid_keys
 from models.gpt import GPTConfig
 from models.gpt.model import check_tp_shapes
-
-from .config_tree import ConfigError as ConfigError
-from .config_tree import build, set_dotted
-from .config_tree import to_dict as to_dict
-from .config_tree import valid_keys as _valid_keys
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from launch.cli import run
+from launch.config import Config, ConfigError, load_config
+from launch.data.tokenizers import has_tokenizer
 from models.gpt import GPTConfig
 from models.gpt.hf import read_hf_config
-
-from .cli import run
-from .config import Config, ConfigError, load_config
-from .data.tokenizers import has_tokenizer
 
 
 def read_pretrained_model(folder: str) -> GPTConfig:

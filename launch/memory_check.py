@@ -21,10 +21,9 @@ import torch
 
 from hybrid.engine import EngineConfig
 from hybrid.memory import Hardware, Layout, Plan, parse_bytes
+from launch.config import Config, ConfigError, validate, validate_layout
+from launch.plan import Model, layout_options, search
 from models.gpt import GPTConfig, pad_vocab_size
-
-from .config import Config, ConfigError, validate, validate_layout
-from .plan import Model, layout_options, search
 
 # On CUDA the device also holds what the planner's terms do not see (CUDA context, NCCL
 # buffers, fragmentation): launch.plan's default --reserve, added for the check only.

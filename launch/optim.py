@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .config import TrainConfig
+from launch.config import TrainConfig
 
 
 def lr_at(step: int, config: TrainConfig) -> float:

@@ -21,7 +21,7 @@ import resource
 import torch
 import torch.distributed as dist
 
-from .memory_check import format_bytes
+from launch.memory_check import format_bytes
 
 STATUS = "/proc/self/status"
 CLEAR_REFS = "/proc/self/clear_refs"

@@ -41,6 +41,8 @@ from hybrid.memory import (
     plan,
     unit_bytes,
 )
+from launch.config import PRESET_DIR, Config, ConfigError, load_config
+from launch.plan_report import report, search_table
 from models.gpt import GPTConfig, count_parameters, flops_per_token, pad_vocab_size
 from models.gpt.accounting import (
     rank_parameters,
@@ -49,9 +51,6 @@ from models.gpt.accounting import (
     with_seq_len,
 )
 from models.gpt.model import check_tp_shapes
-
-from .config import PRESET_DIR, Config, ConfigError, load_config
-from .plan_report import report, search_table
 
 GPT2_TOKENS = 50257  # the gpt2 tokenizer; Megatron pads it to 50304 (pad_vocab_size)
 

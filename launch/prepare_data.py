@@ -16,11 +16,11 @@ import dataclasses
 import sys
 import time
 
-from .config import Config, ConfigError, DataConfig, load_config
-from .data import prepare_data
-from .data.mixture import shared_tokenizer
-from .data.prepare_read import total_bytes
-from .data.token_file import resolve_files
+from launch.config import Config, ConfigError, DataConfig, load_config
+from launch.data import prepare_data
+from launch.data.mixture import shared_tokenizer
+from launch.data.prepare_read import total_bytes
+from launch.data.token_file import resolve_files
 
 
 def sources(config: Config) -> list[DataConfig]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from .cli import check_before_start, run
-from .config import load_config
-from .training import train
+from launch.cli import check_before_start, run
+from launch.config import load_config
+from launch.training import train
 
 __all__ = ["check_before_start", "main", "train"]
 

@@ -42,14 +42,13 @@ from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
+from launch.cli import tokenizer_size
+from launch.config import Config, ConfigError, validate_layout
+from launch.memory_check import format_bytes, run_model
+from launch.plan import GPT2_TOKENS, Model, layout_options
+from launch.trainer import split_batch, train_step
+from launch.training import engine_config
 from models.gpt import GPT, GPTConfig
-
-from .cli import tokenizer_size
-from .config import Config, ConfigError, validate_layout
-from .memory_check import format_bytes, run_model
-from .plan import GPT2_TOKENS, Model, layout_options
-from .trainer import split_batch, train_step
-from .training import engine_config
 
 # Kept free beside the planned peak: the process itself (torch's libraries, the CUDA
 # context on a GPU), as launch.plan's default --reserve.

@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from hybrid.memory import parse_bytes
-
-from .cli import one_line
-from .config import ConfigError
-from .memory_check import format_bytes, local_device
-from .plan import PlanError, read_config
-from .rehearsal import RehearsalError, Request, rehearse, with_layers
+from launch.cli import one_line
+from launch.config import ConfigError
+from launch.memory_check import format_bytes, local_device
+from launch.plan import PlanError, read_config
+from launch.rehearsal import RehearsalError, Request, rehearse, with_layers
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -12,14 +12,13 @@ from transformers import PreTrainedTokenizerBase
 
 from hybrid.engine import Engine
 from hybrid.full_state import full_tensor_layout, write_safetensors
+from launch.config import Config
+from launch.memory_check import format_bytes
+from launch.mfu import format_mfu
+from launch.peak_memory import memory_summary
+from launch.tracking import format_count
 from models.gpt import GPT
 from models.gpt.hf_export import write_hf_export
-
-from .config import Config
-from .memory_check import format_bytes
-from .mfu import format_mfu
-from .peak_memory import memory_summary
-from .tracking import format_count
 
 
 def write_final_weights(

@@ -17,8 +17,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .config import WandbConfig
-from .mfu import format_mfu
+from launch.config import WandbConfig
+from launch.mfu import format_mfu
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss.png"

@@ -22,26 +22,25 @@ from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.topology import Topology
+from launch.checkpointing import restore
+from launch.checkpointing import save as save_checkpoint
+from launch.config import Config, ConfigError, to_dict
+from launch.data import DistributedBatches, TokenWindows, load_tokenizer, prepare_data
+from launch.data.examples import is_prompt_completion, read_examples
+from launch.data.mixture import load_mixture, validation_sets
+from launch.data.prepare_wait import DataPhase
+from launch.data.sampler import Samples
+from launch.data.token_file import resolve_files
+from launch.memory_check import planned_peak_bytes
+from launch.mfu import Utilization
+from launch.optim import lr_at
+from launch.peak_memory import PeakMemory
+from launch.preemption import NonFiniteLoss, Preemption
+from launch.run_outputs import generate_sample, summary_line, write_final_weights
+from launch.tracking import Tracker, rotate_old_metrics, truncate_metrics
+from launch.trainer import eval_steps, evaluate, train_step
 from models.gpt import GPT, count_parameters, pad_vocab_size
 from models.gpt.hf_files import open_hf_weights
-
-from .checkpointing import restore
-from .checkpointing import save as save_checkpoint
-from .config import Config, ConfigError, to_dict
-from .data import DistributedBatches, TokenWindows, load_tokenizer, prepare_data
-from .data.examples import is_prompt_completion, read_examples
-from .data.mixture import load_mixture, validation_sets
-from .data.prepare_wait import DataPhase
-from .data.sampler import Samples
-from .data.token_file import resolve_files
-from .memory_check import planned_peak_bytes
-from .mfu import Utilization
-from .optim import lr_at
-from .peak_memory import PeakMemory
-from .preemption import NonFiniteLoss, Preemption
-from .run_outputs import generate_sample, summary_line, write_final_weights
-from .tracking import Tracker, rotate_old_metrics, truncate_metrics
-from .trainer import eval_steps, evaluate, train_step
 
 
 @dataclass

@@ -13,7 +13,7 @@ The GPT-specific numbers (parameter counts per rank from a GPTConfig) are in
 models/gpt/accounting.py; the command line is launch/plan.py.
 """
 
-from .activations import (
+from hybrid.memory.activations import (
     RECOMPUTE_MODES,
     TransformerShape,
     activation_bytes,
@@ -21,8 +21,8 @@ from .activations import (
     paper_layer_bytes,
     stored_activation_bytes,
 )
-from .communication import dp_traffic_bytes, tp_traffic_bytes
-from .model_states import (
+from hybrid.memory.communication import dp_traffic_bytes, tp_traffic_bytes
+from hybrid.memory.model_states import (
     ADAM_MIXED_K,
     bucket_numels,
     buffer_bytes,
@@ -32,9 +32,17 @@ from .model_states import (
     precision_bytes,
     zero_state_bytes,
 )
-from .peak import BACKENDS, Moment, StepLayout, step_moments, step_peak
-from .planner import Hardware, Layout, Plan, RankParameters, plan, step_layout, step_time
-from .units import (
+from hybrid.memory.peak import BACKENDS, Moment, StepLayout, step_moments, step_peak
+from hybrid.memory.planner import (
+    Hardware,
+    Layout,
+    Plan,
+    RankParameters,
+    plan,
+    step_layout,
+    step_time,
+)
+from hybrid.memory.units import (
     format_count,
     parse_bandwidth,
     parse_bytes,

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 
-from .activations import TransformerShape, check_recompute
+from hybrid.memory.activations import TransformerShape, check_recompute
 
 
 def dp_traffic_bytes(

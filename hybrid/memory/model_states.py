@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..zero.bucket import group_units, max_bucket_numel
+from hybrid.zero.bucket import group_units, max_bucket_numel
 
 ADAM_MIXED_K = 12
 # Element bytes of parameters and gradients, and optimizer bytes per parameter, by

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model_states import grad_element_bytes
+from hybrid.memory.model_states import grad_element_bytes
 
 BACKENDS = ("nccl", "gloo")
 

@@ -82,13 +82,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..pairwise import reduces_pairwise
-from ..zero.bucket import group_units, max_bucket_numel
-from .activations import TransformerShape, layer_bytes
-from .model_states import bucket_numels, grad_element_bytes, precision_bytes, zero_state_bytes
-from .moment import BACKENDS as BACKENDS
-from .moment import Moment as Moment
-from .moment import StepLayout as StepLayout
+from hybrid.memory.activations import TransformerShape, layer_bytes
+from hybrid.memory.model_states import (
+    bucket_numels,
+    grad_element_bytes,
+    precision_bytes,
+    zero_state_bytes,
+)
+from hybrid.memory.moment import BACKENDS as BACKENDS
+from hybrid.memory.moment import Moment as Moment
+from hybrid.memory.moment import StepLayout as StepLayout
+from hybrid.pairwise import reduces_pairwise
+from hybrid.zero.bucket import group_units, max_bucket_numel
 
 FP32 = 4
 

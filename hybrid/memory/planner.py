@@ -34,11 +34,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..topology import check_layout
-from .activations import TransformerShape, activation_bytes, check_recompute
-from .communication import dp_traffic_bytes, tp_traffic_bytes
-from .model_states import grad_element_bytes, model_state_bytes, precision_bytes, zero_state_bytes
-from .peak import Moment, StepLayout, step_peak
+from hybrid.memory.activations import TransformerShape, activation_bytes, check_recompute
+from hybrid.memory.communication import dp_traffic_bytes, tp_traffic_bytes
+from hybrid.memory.model_states import (
+    grad_element_bytes,
+    model_state_bytes,
+    precision_bytes,
+    zero_state_bytes,
+)
+from hybrid.memory.peak import Moment, StepLayout, step_peak
+from hybrid.topology import check_layout
 
 
 @dataclass(frozen=True)

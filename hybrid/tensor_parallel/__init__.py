@@ -1,16 +1,16 @@
 """Megatron-style tensor parallelism: conjugate collectives, split layers, vocab-parallel
 loss, sequence parallelism and the TP-aware random stream."""
 
-from .context import TensorParallel
-from .cross_entropy import vocab_parallel_cross_entropy
-from .grads import sync_sequence_parallel_grads
-from .layers import (
+from hybrid.tensor_parallel.context import TensorParallel
+from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from hybrid.tensor_parallel.grads import sync_sequence_parallel_grads
+from hybrid.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
 )
-from .mappings import (
+from hybrid.tensor_parallel.mappings import (
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
@@ -18,8 +18,13 @@ from .mappings import (
     reduce_scatter_to_sequence,
     scatter_to_sequence,
 )
-from .random import TPRandom
-from .shards import ShardSpec, init_from_seed, named_full_tensors, parameter_shards
+from hybrid.tensor_parallel.random import TPRandom
+from hybrid.tensor_parallel.shards import (
+    ShardSpec,
+    init_from_seed,
+    named_full_tensors,
+    parameter_shards,
+)
 
 __all__ = [
     "ColumnParallelLinear",

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Group
-from ..topology import Topology
-from .random import TPRandom
+from hybrid.comm import Group
+from hybrid.tensor_parallel.random import TPRandom
+from hybrid.topology import Topology
 
 
 @dataclass(frozen=True)

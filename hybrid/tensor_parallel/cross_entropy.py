@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import Group
+from hybrid.comm import Group
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .context import TensorParallel
-from .shards import parameter_shards
+from hybrid.tensor_parallel.context import TensorParallel
+from hybrid.tensor_parallel.shards import parameter_shards
 
 
 def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:

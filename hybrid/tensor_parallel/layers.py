@@ -20,10 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import Group
-from .context import TensorParallel
-from .mappings import copy_to_region, reduce_from_region, reduce_scatter_to_sequence
-from .shards import ShardSpec
+from hybrid.comm import Group
+from hybrid.tensor_parallel.context import TensorParallel
+from hybrid.tensor_parallel.mappings import (
+    copy_to_region,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+)
+from hybrid.tensor_parallel.shards import ShardSpec
 
 
 class _GatherSequenceLinear(torch.autograd.Function):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Group
+from hybrid.comm import Group
 
 Op = Callable[[torch.Tensor, Group], torch.Tensor]
 

@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..comm import Group
-from .seeded import seeded_normal
+from hybrid.comm import Group
+from hybrid.tensor_parallel.seeded import seeded_normal
 
 CHUNK = 1 << 22  # local elements per pass: bounds the index temporaries (8 bytes each)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .gather import ParameterGatherer
-from .state import BucketState
+from hybrid.zero.gather import ParameterGatherer
+from hybrid.zero.state import BucketState
 
 
 def nbytes(tensor: torch.Tensor | None) -> int:

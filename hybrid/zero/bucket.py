@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..tensor_parallel import parameter_shards
+from hybrid.tensor_parallel import parameter_shards
 
 
 @dataclass(frozen=True)

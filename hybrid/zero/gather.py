@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import Group, Handle
-from .bucket import FlatBucket
+from hybrid.comm import Group, Handle
+from hybrid.zero.bucket import FlatBucket
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

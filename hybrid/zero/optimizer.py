@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .bucket import FlatBucket
-from .state import BucketState
+from hybrid.zero.bucket import FlatBucket
+from hybrid.zero.state import BucketState
 
 
 def make_adamw(

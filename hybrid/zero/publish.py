@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..comm import Group, Handle
+from hybrid.comm import Group, Handle
 
 
 class ParameterPublisher:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bucket import FlatBucket
+from hybrid.zero.bucket import FlatBucket
 
 
 @dataclass

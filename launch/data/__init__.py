@@ -8,18 +8,18 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from ..config import DataConfig
-from .prepare import resolve_workers
-from .sampler import DistributedBatches, TokenWindows, eval_batches
-from .shards import TokenShards, is_token_shards
-from .token_file import (
+from launch.config import DataConfig
+from launch.data.prepare import resolve_workers
+from launch.data.sampler import DistributedBatches, TokenWindows, eval_batches
+from launch.data.shards import TokenShards, is_token_shards
+from launch.data.token_file import (
     Verify,
     build_token_file,
     corpus_fingerprint,
     iter_documents,
     resolve_files,
 )
-from .tokenizers import gpt2_tokenizer, load_tokenizer_folder, train_bpe_tokenizer
+from launch.data.tokenizers import gpt2_tokenizer, load_tokenizer_folder, train_bpe_tokenizer
 
 
 @dataclass

@@ -41,10 +41,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from launch.data.jsonl import read_jsonl
+from launch.data.tokenizers import tokenizer_fingerprint
 from models.gpt import IGNORE_INDEX
-
-from .jsonl import read_jsonl
-from .tokenizers import tokenizer_fingerprint
 
 PROMPT, COMPLETION = "prompt", "completion"
 FORMAT_VERSION = "examples-v1"

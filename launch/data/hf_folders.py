@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..config import DataConfig
+    from launch.config import DataConfig
 
 TOKENS_COLUMN = "input_ids"
 _BATCH_ROWS = 1024  # rows per record batch read: bounds memory whatever the corpus size

@@ -25,12 +25,18 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..config import DataConfig, MixtureSource
-from . import PreparedData, load_tokenizer, prepare_data
-from .examples import is_prompt_completion
-from .sampler import FeistelPermutation, Samples, ShuffledSampler, TokenWindows, eval_batches
-from .token_file import resolve_files
-from .tokenizers import tokenizer_fingerprint
+from launch.config import DataConfig, MixtureSource
+from launch.data import PreparedData, load_tokenizer, prepare_data
+from launch.data.examples import is_prompt_completion
+from launch.data.sampler import (
+    FeistelPermutation,
+    Samples,
+    ShuffledSampler,
+    TokenWindows,
+    eval_batches,
+)
+from launch.data.token_file import resolve_files
+from launch.data.tokenizers import tokenizer_fingerprint
 
 BLOCK = 1024  # per-block counts are exact, so any 1024 consecutive samples hold each share
 ORDER_STREAM = 2**31  # the block order's key stream; source i's sampler uses stream 1 + i

@@ -35,8 +35,8 @@ import xxhash
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .hf_folders import id_batches, open_hf_folder
-from .prepare_read import (
+from launch.data.hf_folders import id_batches, open_hf_folder
+from launch.data.prepare_read import (
     HashingReader,
     content_hash,
     file_format,

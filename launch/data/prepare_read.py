@@ -17,7 +17,7 @@ from pathlib import Path
 
 import xxhash
 
-from .hf_folders import data_files
+from launch.data.hf_folders import data_files
 
 # The sampled hash reads this many blocks of this size, spread evenly over the file (the
 # first and the last included): 16 x 64 KiB = 1 MiB read whatever the file's size.

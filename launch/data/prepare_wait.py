@@ -18,8 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hybrid.distributed import DistributedEnv
-
-from ..config import ConfigError
+from launch.config import ConfigError
 
 POLL_S = 0.2
 _phases = itertools.count()  # every rank runs the same phases in the same order

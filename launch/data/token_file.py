@@ -23,9 +23,9 @@ from typing import Literal
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from .hf_folders import TOKENS_COLUMN, is_hf_folder, open_hf_folder
-from .prepare import prepare_corpus
-from .prepare_read import (
+from launch.data.hf_folders import TOKENS_COLUMN, is_hf_folder, open_hf_folder
+from launch.data.prepare import prepare_corpus
+from launch.data.prepare_read import (
     HashingReader,
     file_format,
     full_hash,
@@ -33,8 +33,8 @@ from .prepare_read import (
     iter_file_documents,
     sampled_hash,
 )
-from .shards import is_token_shards
-from .tokenizers import ASSETS, tokenizer_fingerprint
+from launch.data.shards import is_token_shards
+from launch.data.tokenizers import ASSETS, tokenizer_fingerprint
 
 BUNDLED_CORPUS = ASSETS / "shakespeare.txt.gz"
 # v4: streaming preparation, key from sizes/mtimes/sampled hashes, docs.bin, xxh3 hashes

@@ -3,9 +3,9 @@
 Hugging Face import/export is in `models.gpt.hf` (imported on demand: it loads transformers).
 """
 
-from .accounting import count_parameters, flops_per_token
-from .config import GPTConfig, pad_vocab_size
-from .model import GPT, IGNORE_INDEX
+from models.gpt.accounting import count_parameters, flops_per_token
+from models.gpt.config import GPTConfig, pad_vocab_size
+from models.gpt.model import GPT, IGNORE_INDEX
 
 __all__ = [
     "GPT",

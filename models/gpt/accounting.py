@@ -8,8 +8,7 @@ import dataclasses
 import math
 
 from hybrid.memory import RankParameters, TransformerShape
-
-from .config import GPTConfig
+from models.gpt.config import GPTConfig
 
 
 def count_parameters(config: GPTConfig) -> int:

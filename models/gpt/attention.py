@@ -14,8 +14,7 @@ from torch import nn
 from hybrid.dropout import dropout
 from hybrid.recompute import maybe_recompute
 from hybrid.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
-
-from .config import GPTConfig
+from models.gpt.config import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -32,9 +32,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import GPTConfig
-from .hf_bin import load_bin
-from .hf_layouts import PREFIX, Reader, import_all, standalone, to_hf
+from models.gpt.config import GPTConfig
+from models.gpt.hf_bin import load_bin
+from models.gpt.hf_layouts import PREFIX, Reader, import_all, standalone, to_hf
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -111,7 +111,7 @@ def read_hf_config(path: str | Path) -> GPTConfig:
         config = config_from_hf(hf_config)
     except ValueError as error:
         raise ValueError(f"{config_file}: {error}") from None
-    from .hf_files import open_hf_weights  # here: it imports this module
+    from models.gpt.hf_files import open_hf_weights  # here: it imports this module
 
     open_hf_weights(folder, config)
     return config
@@ -121,7 +121,7 @@ def read_hf_weights(folder: str | Path) -> dict[str, Tensor]:
     """Every tensor of a checkpoint folder under its Hugging Face name, all read (the
     eager path; a job reads lazily: hf_files.open_hf_weights). The files looked for, in
     order, are hf_files.weight_files'; a pickle is unpickled with weights_only=True."""
-    from .hf_files import weight_files  # here: it imports this module
+    from models.gpt.hf_files import weight_files  # here: it imports this module
 
     where, files, weight_map = weight_files(Path(folder))
     load = load_bin if files[0].suffix == ".bin" else _load_safetensors

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .hf_layouts import standalone
+from models.gpt.hf_layouts import standalone
 
 Tensor = torch.Tensor
 
@@ -66,7 +66,7 @@ def bin_to_safetensors(folder: str | Path, out: str | Path, shard_bytes: int = 2
     files of at most `shard_bytes`, unless one tensor is larger, plus
     model.safetensors.index.json), tensor by tensor from the memory-mapped pickle; the
     other files (config.json, the tokenizer) are copied. Returns `out`."""
-    from .hf_files import weight_files  # here: hf_files imports this module
+    from models.gpt.hf_files import weight_files  # here: hf_files imports this module
 
     folder, out = Path(folder), Path(out)
     where, files, _ = weight_files(folder)

@@ -34,10 +34,9 @@ from pathlib import Path
 import torch
 
 from hybrid.full_state import SAFETENSORS_DTYPES, TensorLayout, write_safetensors
-
-from .config import GPTConfig
-from .hf import _family, _gpt2_hf_config, _llama_hf_config
-from .hf_layouts import _split_qkv
+from models.gpt.config import GPTConfig
+from models.gpt.hf import _family, _gpt2_hf_config, _llama_hf_config
+from models.gpt.hf_layouts import _split_qkv
 
 Tensor = torch.Tensor
 

@@ -37,12 +37,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hybrid.tensor_parallel.shards import ShardSpec, local_shape
-
-from .config import GPTConfig
-from .hf import _family
-from .hf_bin import bin_to_safetensors, check_bin_size, load_bin
-from .hf_layouts import PREFIX, Reader, import_all, is_buffer, to_hf
-from .model import GPT
+from models.gpt.config import GPTConfig
+from models.gpt.hf import _family
+from models.gpt.hf_bin import bin_to_safetensors, check_bin_size, load_bin
+from models.gpt.hf_layouts import PREFIX, Reader, import_all, is_buffer, to_hf
+from models.gpt.model import GPT
 
 Tensor = torch.Tensor
 __all__ = ["HFWeights", "Stored", "bin_to_safetensors", "open_hf_weights", "weight_files"]

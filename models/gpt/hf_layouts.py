@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .config import GPTConfig
+from models.gpt.config import GPTConfig
 
 Tensor = torch.Tensor
 

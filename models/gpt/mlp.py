@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
-
-from .config import GPTConfig
+from models.gpt.config import GPTConfig
 
 
 class MLP(nn.Module):

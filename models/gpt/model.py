@@ -37,12 +37,11 @@ from hybrid.tensor_parallel import (
 )
 from hybrid.tensor_parallel.layers import parallel_linear_input
 from hybrid.tensor_parallel.shards import Init, full_shape, seeded_elements
-
-from .attention import CausalSelfAttention, document_mask, segment_positions
-from .config import GPTConfig
-from .mlp import make_mlp
-from .norms import make_norm
-from .weight_source import WeightSource, as_weight_source
+from models.gpt.attention import CausalSelfAttention, document_mask, segment_positions
+from models.gpt.config import GPTConfig
+from models.gpt.mlp import make_mlp
+from models.gpt.norms import make_norm
+from models.gpt.weight_source import WeightSource, as_weight_source
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 IGNORE_INDEX = -100  # a target that takes no loss (torch's and Hugging Face's convention)

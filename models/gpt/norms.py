@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import GPTConfig
+from models.gpt.config import GPTConfig
 
 
 class RMSNorm(nn.Module):
