@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import paper_layer_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.testing import run_processes
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hybrid.testing import run_processes  # noqa: E402
+from hybrid.instruments.local_processes import run_processes  # noqa: E402
 
 
 def _rank(root: str, reps: int, layers: int, d_model: int) -> list[dict[str, float]]:
@@ -42,13 +42,13 @@ def _rank(root: str, reps: int, layers: int, d_model: int) -> list[dict[str, flo
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from hybrid.checkpoint import _state_dict, save_checkpoint
-    from hybrid.checkpoint_chunks import ChunkSavePlanner
-    from hybrid.checkpoint_writer import CheckpointWriter
-    from hybrid.distributed import init_distributed, shutdown
+    from hybrid.checkpoint.chunks import ChunkSavePlanner
+    from hybrid.checkpoint.engine_state import _state_dict, save_checkpoint
+    from hybrid.checkpoint.saver import CheckpointWriter
+    from hybrid.distributed.env import init_distributed, shutdown
+    from hybrid.distributed.topology import Topology
     from hybrid.engine import Engine, EngineConfig
     from hybrid.tensor_parallel import TensorParallel
-    from hybrid.topology import Topology
     from models.gpt import GPT, GPTConfig
 
     env = init_distributed()

@@ -64,7 +64,7 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: `benchmarks.compare
 from benchmarks.compare import gpu  # noqa: E402
 from benchmarks.compare.common import SYSTEMS, BenchConfig, JobSpec, machine  # noqa: E402
 from benchmarks.compare.report import MB, Row, chart, checks, table  # noqa: E402
-from launch.matmul_rate import native_bf16  # noqa: E402
+from launch.observe.matmul_rate import native_bf16  # noqa: E402
 
 
 def plan(bench: BenchConfig, recompute: list[bool], systems: set[str]) -> list[JobSpec]:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare.plain_gpt import PlainGPT  # noqa: E402
 from launch.config import TrainConfig  # noqa: E402
-from launch.optim import lr_at  # noqa: E402
+from launch.train.schedule import lr_at  # noqa: E402
 from models.gpt import GPTConfig  # noqa: E402
 
 RUNS = ("fp32", "bf16, fp32 accumulation", "bf16, bf16 accumulation")

@@ -90,7 +90,7 @@ def random_hf_folder(folder: Path, family: str, size: str) -> int:
     import torch
 
     from models.gpt import GPT
-    from models.gpt.hf_export import source_order, write_hf_export
+    from models.gpt.hf.export import source_order, write_hf_export
 
     config = gpt_config(family, size)
     shapes = {n: tuple(p.shape) for n, p in GPT(config, device="meta").named_parameters()}
@@ -139,7 +139,7 @@ def logits_error(export: Path, original: Path, family: str, size: str) -> float:
     from transformers import AutoModelForCausalLM
 
     from models.gpt import GPT
-    from models.gpt.hf_files import open_hf_weights
+    from models.gpt.hf.lazy import open_hf_weights
 
     config = gpt_config(family, size)
     ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
@@ -197,10 +197,10 @@ def export_section(work: Path, size: str, families: list[str], shard_sizes: list
 
 def _rank_peaks(overrides: list[str]) -> dict:
     """One rank of the fine-tuning run; its training and export peaks (VmHWM)."""
-    import launch.training as training
-    from hybrid.distributed import init_distributed, shutdown, world_size_from_env
-    from launch.cli import check_before_start
+    import launch.train.loop as training
+    from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
     from launch.finetune import read_finetune_config
+    from launch.train.entry import check_before_start
 
     def status(field: str) -> int:
         with open("/proc/self/status") as f:
@@ -233,7 +233,7 @@ def run_section(work: Path) -> list[str]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hybrid.testing import run_processes
+    from hybrid.instruments.local_processes import run_processes
     from launch.data.token_file import BUNDLED_CORPUS, iter_documents
     from launch.data.tokenizers import train_bpe_tokenizer
 

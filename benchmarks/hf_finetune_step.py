@@ -5,11 +5,11 @@ checkpoint, against the same step from random weights (issue #17).
 
 The models are benchmarks/hf_import.py's: a GPT-2 and a Llama with grouped-query
 attention of about `--params` parameters, random weights, saved with save_pretrained in
-shards of at most 1 GB. Each rank runs what launch.training.train runs, through the same
+shards of at most 1 GB. Each rank runs what launch.train.loop.train runs, through the same
 functions: `read_finetune_config` of configs/finetune.yaml with `init_from=<folder>`,
 PeakMemory's baseline, `build_model` on the meta device (the lazy HF reader), the Engine
 (which materialises this rank's shard, reading the checkpoint), then one
-`launch.trainer.train_step` on random tokens (forward, backward, gradient reduction, the
+`launch.train.step.train_step` on random tokens (forward, backward, gradient reduction, the
 AdamW update). The reference run is the same with `build_model(..., resume=True)`: the
 same model with random weights, nothing read from the checkpoint. Layouts: tp=2, and
 dp=2 at ZeRO stage 3, in fresh gloo processes; fp32.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hf_import import make_model  # noqa: E402
 
-from hybrid.testing import run_processes  # noqa: E402
+from hybrid.instruments.local_processes import run_processes  # noqa: E402
 
 LAYOUTS = (("tp=2", 2, 0), ("dp=2 ZeRO-3", 1, 3))
 SEQ = 64  # tokens a sequence: a short step, its activations small beside the model
@@ -44,14 +44,14 @@ SEQ = 64  # tokens a sequence: a short step, its activations small beside the mo
 def step_rank(folder: str, tp: int, stage: int, imported: bool) -> dict[str, Any]:
     import torch
 
-    from hybrid.distributed import init_distributed, shutdown
+    from hybrid.distributed.env import init_distributed, shutdown
+    from hybrid.distributed.topology import Topology
     from hybrid.engine import Engine
     from hybrid.tensor_parallel import TensorParallel
-    from hybrid.topology import Topology
     from launch.finetune import read_finetune_config
-    from launch.peak_memory import PeakMemory
-    from launch.trainer import train_step
-    from launch.training import build_model, engine_config
+    from launch.observe.peak_memory import PeakMemory
+    from launch.train.loop import build_model, engine_config
+    from launch.train.step import train_step
 
     env = init_distributed()
     try:

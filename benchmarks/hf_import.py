@@ -10,7 +10,7 @@ processes: tp=1 (one process), tp=2 (2 processes), dp=2 ZeRO-3 (2 processes). Si
 to `--eager-up-to` also run the old path, where every rank reads the whole checkpoint
 (hf_to_ours(read_hf_weights(folder))), for comparison (at 1B it needs ~8 GB a rank).
 
-What a rank does is what launch.training does before its first step: read_hf_config (the
+What a rank does is what launch.train.loop does before its first step: read_hf_config (the
 header checks), open_hf_weights, the model on the meta device, then the Engine's
 materialisation of its parameters, bucket by bucket, through the same calls
 (hybrid.zero.state.initial_value at stages 0-2, initial_values for the ZeRO-3 shard's
@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hybrid.testing import run_processes  # noqa: E402
+from hybrid.instruments.local_processes import run_processes  # noqa: E402
 
 LAYOUTS = (("tp=1", 1, 1, 0), ("tp=2", 2, 2, 0), ("dp=2 ZeRO-3", 2, 1, 3))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -92,15 +92,15 @@ def make_model(family: str, params: float, dtype: str, folder: Path) -> dict[str
 
 def import_rank(folder: str, tp: int, stage: int, eager: bool) -> dict[str, Any]:
     """In one rank: the peak RSS above the baseline and the time of the import."""
-    from hybrid.distributed import init_distributed, shutdown
+    from hybrid.distributed.env import init_distributed, shutdown
+    from hybrid.distributed.topology import Topology
     from hybrid.engine import EngineConfig
     from hybrid.tensor_parallel import TensorParallel
-    from hybrid.topology import Topology
     from hybrid.zero.bucket import build_buckets, max_bucket_numel
     from hybrid.zero.state import initial_value, initial_values
     from models.gpt import GPT
-    from models.gpt.hf import hf_to_ours, read_hf_config, read_hf_weights
-    from models.gpt.hf_files import open_hf_weights
+    from models.gpt.hf.folder import hf_to_ours, read_hf_config, read_hf_weights
+    from models.gpt.hf.lazy import open_hf_weights
 
     env = init_distributed()
     try:

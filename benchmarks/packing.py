@@ -6,7 +6,7 @@ padded, on short prompt/completion examples.
 The examples are consecutive lines of the bundled Shakespeare (prompt: one line,
 completion: the next), tokenized with GPT-2's tokenizer through launch.data.examples: about
 20 tokens each. For each window (train.seq_len) both sets train the same model (GPT-2
-style, 4 layers, d_model 64, fp32, one process, one thread) through launch.trainer's
+style, 4 layers, d_model 64, fp32, one process, one thread) through launch.train.step's
 train_step and the Engine, with batches of the same shape (rows x window): padded, one
 example to a row; packed, as many as fit (next fit), with the block-diagonal mask.
 
@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from launch.data.examples import read_examples
 from launch.data.token_file import BUNDLED_CORPUS
 from launch.data.tokenizers import gpt2_tokenizer
-from launch.trainer import train_step
+from launch.train.step import train_step
 from models.gpt import GPT, GPTConfig, pad_vocab_size
 
 ROWS = 8  # rows per step, packed or padded

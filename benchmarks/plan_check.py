@@ -28,8 +28,8 @@ import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import stored_activation_bytes
-from hybrid.testing import run_processes
 from launch.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parent.parent

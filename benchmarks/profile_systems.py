@@ -44,8 +44,8 @@ from benchmarks.compare.common import (  # noqa: E402
     local_batch,
 )
 from benchmarks.compare.worker import trainer_class_of  # noqa: E402
-from hybrid.distributed import init_distributed, shutdown  # noqa: E402
-from hybrid.testing import run_processes  # noqa: E402
+from hybrid.distributed.env import init_distributed, shutdown  # noqa: E402
+from hybrid.instruments.local_processes import run_processes  # noqa: E402
 
 CATEGORIES = {
     "GEMM": ("aten::mm", "aten::addmm", "aten::bmm"),

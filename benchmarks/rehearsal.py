@@ -106,8 +106,9 @@ def markdown(reports: list[dict[str, Any]]) -> str:
         "`python -m launch.rehearse` run (its command below): the real model and Engine of "
         "that rank, the rest of the world a fake process group. Memory at the step's peak "
         "by category, measured by MemTracker with the engine's storages filed by what they "
-        "are (hybrid/engine_memory.py), in GiB, measured / planned; the planner's peak moment "
-        "in the last column. Micro-batches per step as the layout says (see the script's "
+        "are (hybrid/instruments/engine_memory.py), in GiB, measured / planned; the "
+        "planner's peak moment in the last column. Micro-batches per step as the layout "
+        "says (see the script's "
         "docstring).",
         "",
         "| case | rank | parameters | gradients | optimizer | activations | buffers | peak "
@@ -134,8 +135,9 @@ def markdown(reports: list[dict[str, Any]]) -> str:
         "",
         "Step time of this rank measured bare (after the instrumented step); the FLOPs the "
         "planner counts for it, and the share of them counted at torch's dispatcher "
-        "(hybrid/dispatch_counters.py); the FLOP rate achieved; the planner's step time at "
-        "that rate with its default links (NVLink 300 GB/s, InfiniBand 25 GB/s per GPU). "
+        "(hybrid/instruments/dispatch_counters.py); the FLOP rate achieved; the planner's "
+        "step time at that rate with its default links (NVLink 300 GB/s, InfiniBand 25 GB/s "
+        "per GPU). "
         "Bytes sent per step by this rank (ring collectives), counted at the dispatcher, "
         "against the planner's.",
         "",

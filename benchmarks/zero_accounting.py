@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import dp_traffic_bytes, engine_state_bytes
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.testing import run_processes
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 

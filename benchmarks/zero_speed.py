@@ -15,7 +15,7 @@ side; the table reports the median of the per-round ratios and their range. The
 "-waited" systems are stages 1-2 waiting for every gather in the step
 (overlap_param_gather=False), as before the overlap. The "-gloo" systems are stages 1-3
 on gloo's own reduce-scatter and all-gather instead of the pairwise exchanges the engine
-runs on gloo (hybrid.pairwise; stage 3's prefetch keeps gloo's own in both). The last
+runs on gloo (hybrid.distributed.pairwise; stage 3's prefetch keeps gloo's own in both). The last
 loss of every system is printed so that a faster wrong answer shows.
 
 Each round also measures the collectives alone, on the same two processes: the CPU time
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hybrid import pairwise
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed import pairwise
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
+from hybrid.instruments.local_processes import run_processes
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.testing import run_processes
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128, vocab_size=512)
@@ -121,7 +121,7 @@ def collective_costs(numel: int, repeats: int = 20) -> dict[str, dict[str, float
     """Per call, milliseconds of CPU time (this process, all its threads) and of wall
     time of each collective stages 0-2 use, on `numel` fp32 elements, medians of
     `repeats` after a warm-up call, the ranks aligned by a barrier before each: gloo's
-    own, and the pairwise exchanges (hybrid.pairwise) the engine uses on gloo."""
+    own, and the pairwise exchanges (hybrid.distributed.pairwise) the engine uses on gloo."""
     full = torch.randn(numel - numel % 2)
     shard, gathered = torch.empty(full.numel() // 2), torch.empty(full.numel())
     group = dist.group.WORLD

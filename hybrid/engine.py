@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.comm import Handle
-from hybrid.full_state import full_tensors
+from hybrid.checkpoint.full_state import full_tensors
+from hybrid.distributed.comm import Handle
+from hybrid.distributed.topology import Topology
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from hybrid.zero.accounting import model_state_bytes, nbytes, transient_bytes
 from hybrid.zero.bucket import build_buckets, max_bucket_numel
 from hybrid.zero.gather import ParameterGatherer
@@ -384,11 +384,12 @@ class Engine:
         if self.publisher is not None:
             self.publisher.wait_all()
 
-    # ---- the full model (hybrid.full_state) ------------------------------------------------
+    # ---- the full model (hybrid.checkpoint.full_state)
+    # ------------------------------------------------
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tp=1 tensor) for every parameter, one bucket gathered at a time; every
-        rank must run it to the end (hybrid.full_state.full_tensors)."""
+        rank must run it to the end (hybrid.checkpoint.full_state.full_tensors)."""
         return full_tensors(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -8,15 +8,15 @@
 
 Both directions run in one process with no Engine and no process group, holding one
 tensor at a time (a 70B model is 280 GB in fp32; its Adam moments twice that again):
-- `--from-hf` writes `<root>/step_00000000` in chunks of rows (hybrid.checkpoint_write),
-  reading each from the folder only then (models.gpt.hf_files):
-  `model.<name>` in fp32 for every parameter, and zero Adam moments only with
-  `--optimizer-states` (a run resuming without them starts its moments at zero). Our
-  checkpoints do not depend on the layout (hybrid.checkpoint), so the result loads under
-  any tp, dp and ZeRO stage (`checkpoint.resume=<root>/step_00000000`).
+- `--from-hf` writes `<root>/step_00000000` in chunks of rows (hybrid.checkpoint.offline_write),
+  reading each from the folder only then (models.gpt.hf.lazy): `model.<name>` in fp32 for every
+  parameter, and zero Adam moments only with `--optimizer-states` (a run resuming without them
+  starts its moments at zero). Our checkpoints do not depend on the layout
+  (hybrid.checkpoint.engine_state), so the result loads under any tp, dp and ZeRO stage
+  (`checkpoint.resume=<root>/step_00000000`).
 - `--to-hf` reads only the `model.*` tensors of a checkpoint written at any layout
-  (hybrid.checkpoint_read; never a byte of the moments) and streams them into
-  config.json plus save_pretrained's sharded safetensors and index (models.gpt.hf_export)
+  (hybrid.checkpoint.offline_read; never a byte of the moments) and streams them into
+  config.json plus save_pretrained's sharded safetensors and index (models.gpt.hf.export)
   and the run's tokenizer, for GPT2LMHeadModel or LlamaForCausalLM `from_pretrained`.
 Import reads safetensors, or pytorch_model.bin only through torch.load(weights_only=True),
 and keeps the folder's tokenizer. A pytorch_model.bin cannot be read in slices: above
@@ -39,29 +39,29 @@ from pathlib import Path
 
 import torch
 
-from hybrid.checkpoint_files import (
+from hybrid.checkpoint.folders import (
     CheckpointError,
     begin,
     check_checkpoint,
     commit,
     record_checksums,
 )
-from hybrid.checkpoint_read import CheckpointTensors
-from hybrid.checkpoint_write import write_checkpoint_tensors
+from hybrid.checkpoint.offline_read import CheckpointTensors
+from hybrid.checkpoint.offline_write import write_checkpoint_tensors
 from models.gpt import GPT, GPTConfig
-from models.gpt.hf import (
-    config_from_hf,
-    hf_to_ours,
-    read_hf_config,
-    write_hf_folder,
-)
-from models.gpt.hf_export import (
+from models.gpt.hf.export import (
     DEFAULT_MAX_SHARD_SIZE,
     parse_shard_size,
     source_order,
     write_hf_export,
 )
-from models.gpt.hf_files import bin_to_safetensors, open_hf_weights
+from models.gpt.hf.folder import (
+    config_from_hf,
+    hf_to_ours,
+    read_hf_config,
+    write_hf_folder,
+)
+from models.gpt.hf.lazy import bin_to_safetensors, open_hf_weights
 
 TOKENIZER_FILES = (
     "tokenizer.json",

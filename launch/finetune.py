@@ -18,11 +18,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from launch.cli import run
 from launch.config import Config, ConfigError, load_config
 from launch.data.tokenizers import has_tokenizer
+from launch.train.entry import run
 from models.gpt import GPTConfig
-from models.gpt.hf import read_hf_config
+from models.gpt.hf.folder import read_hf_config
 
 
 def read_pretrained_model(folder: str) -> GPTConfig:

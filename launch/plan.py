@@ -42,7 +42,7 @@ from hybrid.memory import (
     unit_bytes,
 )
 from launch.config import PRESET_DIR, Config, ConfigError, load_config
-from launch.plan_report import report, search_table
+from launch.planning.report import report, search_table
 from models.gpt import GPTConfig, count_parameters, flops_per_token, pad_vocab_size
 from models.gpt.accounting import (
     rank_parameters,

@@ -19,7 +19,7 @@ import time
 from launch.config import Config, ConfigError, DataConfig, load_config
 from launch.data import prepare_data
 from launch.data.mixture import shared_tokenizer
-from launch.data.prepare_read import total_bytes
+from launch.data.prepare.read import total_bytes
 from launch.data.token_file import resolve_files
 
 

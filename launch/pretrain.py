@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from launch.cli import check_before_start, run
 from launch.config import load_config
-from launch.training import train
+from launch.train.entry import check_before_start, run
+from launch.train.loop import train
 
 __all__ = ["check_before_start", "main", "train"]
 

@@ -7,7 +7,7 @@
 
 One process plays rank R of a world of N (torch's fake process group stands in for the
 others): the real model and Engine, with TP, SP, recomputation and the config's ZeRO
-stage, at the config's precision, on CUDA when present, else the CPU (launch.rehearsal).
+stage, at the config's precision, on CUDA when present, else the CPU (launch.planning.rehearsal).
 It prints, each next to the planner's figure (launch.plan) with measured / planned:
 memory by category at the step's peak (MemTracker; the allocator's peak on CUDA), the
 step time this rank measured and the FLOP rate it achieved, the step time the planner
@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from hybrid.memory import parse_bytes
-from launch.cli import one_line
 from launch.config import ConfigError
-from launch.memory_check import format_bytes, local_device
 from launch.plan import PlanError, read_config
-from launch.rehearsal import RehearsalError, Request, rehearse, with_layers
+from launch.planning.memory_check import format_bytes, local_device
+from launch.planning.rehearsal import RehearsalError, Request, rehearse, with_layers
+from launch.train.entry import one_line
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from plan_cases import pair_topologies
 
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel, parameter_shards
 from hybrid.tensor_parallel.shards import gather_full
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 SEED = 21

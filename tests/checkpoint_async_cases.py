@@ -14,11 +14,11 @@ import xxhash
 from checkpoint_cases import build, train_steps
 from tp_cases import in_process_group
 
-from hybrid.checkpoint import gather_full_states, load_checkpoint, save_engine
-from hybrid.checkpoint_writer import CheckpointWriter
+from hybrid.checkpoint.engine_state import gather_full_states, load_checkpoint, save_engine
+from hybrid.checkpoint.saver import CheckpointWriter
 
 # torch.distributed's collectives, object ones included (those do not reach the dispatcher,
-# so hybrid.dispatch_counters cannot see them); counted where DCP calls them.
+# so hybrid.instruments.dispatch_counters cannot see them); counted where DCP calls them.
 COLLECTIVES = (
     "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "barrier",
     "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce_scatter",

@@ -9,11 +9,11 @@ import torch
 from tp_cases import in_process_group
 from zero_cases import CLIP, CONFIG, GLOBAL_BATCH, LR, MICRO, WEIGHT_DECAY, global_batches
 
-from hybrid.checkpoint import gather_full_states, load_checkpoint, save_checkpoint
+from hybrid.checkpoint.engine_state import gather_full_states, load_checkpoint, save_checkpoint
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from tp_cases import in_process_group
 
-from hybrid.checkpoint import save_engine
+from hybrid.checkpoint.engine_state import save_engine
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, d_model=512, seq_len=16, vocab_size=256)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid.testing import preload
+from hybrid.instruments.local_processes import preload
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # helpers: small_run, tp_cases, wandb_log
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for each rank
-# torch is imported already (hybrid.testing): the variable no longer reaches this process's
-# own references, which on 2 busy cores ran up to 30x slower on two threads.
+# torch is imported already (hybrid.instruments.local_processes): the variable no longer reaches
+# this process's own references, which on 2 busy cores ran up to 30x slower on two threads.
 torch.set_num_threads(1)
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from tp_cases import in_process_group
 
-from hybrid.checkpoint import gather_full_states, load_checkpoint, save_checkpoint
+from hybrid.checkpoint.engine_state import gather_full_states, load_checkpoint, save_checkpoint
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hybrid.checkpoint
-import hybrid.checkpoint_files
-import launch.training
+import hybrid.checkpoint.engine_state
+import hybrid.checkpoint.folders
+import launch.train.loop
 from launch import pretrain
 
 KIND, RANK, STEP = os.environ.get("HYBRID_FAULT", "none:0:0").split(":")
@@ -111,13 +111,19 @@ def _write_durably(path: Path, text: str) -> None:
     original_write_durably(path, text)
 
 
-original_lr_at, launch.training.lr_at = launch.training.lr_at, _lr_at
-original_train_step, launch.training.train_step = launch.training.train_step, _train_step
-original_begin, hybrid.checkpoint.begin = hybrid.checkpoint.begin, _begin
-original_save_engine, hybrid.checkpoint.save_engine = hybrid.checkpoint.save_engine, _save_engine
-original_commit, hybrid.checkpoint.commit = hybrid.checkpoint.commit, _commit
-original_write_durably = hybrid.checkpoint_files._write_durably
-hybrid.checkpoint_files._write_durably = _write_durably
+original_lr_at, launch.train.loop.lr_at = launch.train.loop.lr_at, _lr_at
+original_train_step, launch.train.loop.train_step = launch.train.loop.train_step, _train_step
+original_begin, hybrid.checkpoint.engine_state.begin = hybrid.checkpoint.engine_state.begin, _begin
+original_save_engine, hybrid.checkpoint.engine_state.save_engine = (
+    hybrid.checkpoint.engine_state.save_engine,
+    _save_engine,
+)
+original_commit, hybrid.checkpoint.engine_state.commit = (
+    hybrid.checkpoint.engine_state.commit,
+    _commit,
+)
+original_write_durably = hybrid.checkpoint.folders._write_durably
+hybrid.checkpoint.folders._write_durably = _write_durably
 
 if __name__ == "__main__":
     sys.exit(pretrain.main())

@@ -11,13 +11,13 @@ import torch
 from small_run import TINY_CONFIG
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from hybrid.distributed import init_distributed, shutdown, world_size_from_env
-from launch.checkpointing import resume_from
-from launch.cli import check_before_start
+from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
 from launch.data.token_file import iter_documents
 from launch.data.tokenizers import train_bpe_tokenizer
 from launch.finetune import read_finetune_config
-from launch.training import train
+from launch.train.checkpointing import resume_from
+from launch.train.entry import check_before_start
+from launch.train.loop import train
 
 FINETUNE_CONFIG = TINY_CONFIG.parent / "finetune.yaml"
 

@@ -10,10 +10,10 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from tp_cases import in_process_group
 
+from hybrid.checkpoint.full_state import full_tensor_layout, write_safetensors
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
-from hybrid.full_state import full_tensor_layout, write_safetensors
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=6, n_head=4, d_model=64, seq_len=16, vocab_size=256)

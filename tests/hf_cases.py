@@ -9,12 +9,12 @@ import torch
 from tp_cases import in_process_group
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT
-from models.gpt.hf import read_hf_folder
+from models.gpt.hf.folder import read_hf_folder
 
 VOCAB = 1001  # not a multiple of 128, nor of tp=2: the vocabulary-parallel layers pad it
 

@@ -8,12 +8,12 @@ import torch
 from hf_cases import random_hf
 from tp_cases import in_process_group
 
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT
-from models.gpt.hf import hf_to_ours, read_hf_config, read_hf_weights
-from models.gpt.hf_files import open_hf_weights
+from models.gpt.hf.folder import hf_to_ours, read_hf_config, read_hf_weights
+from models.gpt.hf.lazy import open_hf_weights
 
 VOCAB = 1001  # divides by neither tp=2 nor tp=4: the vocabulary split pads
 

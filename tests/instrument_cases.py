@@ -21,11 +21,11 @@ import torch.distributed as dist
 from plan_cases import pair_topologies
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 SEED = 0

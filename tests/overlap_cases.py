@@ -11,9 +11,9 @@ from torch.profiler import ProfilerActivity, profile
 from tp_cases import in_process_group
 from zero_cases import CLIP, GLOBAL_BATCH, LR, MICRO, SEED, WEIGHT_DECAY
 
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 STEPS = 3
@@ -29,9 +29,9 @@ def global_batches() -> list[torch.Tensor]:
     return [torch.randint(0, CONFIG.vocab_size, shape, generator=g) for _ in range(STEPS + 1)]
 
 
-# How torch's profiler names a gather in flight: gloo's own all-gather, or the receives of
-# the pairwise exchange hybrid.comm uses on gloo (hybrid.pairwise; forward receives
-# nothing else).
+# How torch's profiler names a gather in flight: gloo's own all-gather, or the receives of the
+# pairwise exchange hybrid.distributed.comm uses on gloo (hybrid.distributed.pairwise; forward
+# receives nothing else).
 GATHER_EVENTS = ("gloo:all_gather", "gloo:recv")
 
 

@@ -1,4 +1,4 @@
-"""What tests/test_pairwise.py runs on every rank of a gloo job (hybrid.pairwise)."""
+"""What tests/test_pairwise.py runs on every rank of a gloo job (hybrid.distributed.pairwise)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid import pairwise
-from hybrid.comm import CollectiveCounter, Group
-from hybrid.dispatch_counters import CollectiveTrace
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed import pairwise
+from hybrid.distributed.comm import CollectiveCounter, Group
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.instruments.dispatch_counters import CollectiveTrace
 
 SHARD = 3001  # elements per rank: odd, so no piece lines up with a power of two
 

@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.activation_memory import Case, build, saved_bytes
-from hybrid.comm import CollectiveCounter, Group
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed.comm import CollectiveCounter, Group
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.memory import activation_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 from models.gpt.accounting import transformer_shape
 
@@ -81,7 +81,8 @@ def engine_layouts(world_size: int) -> list[dict[str, Any]]:
 
 
 def _moved(topology: Topology, group: str) -> float:
-    """Bytes this rank sent over `group` by the ring rule (hybrid.comm counts full sizes)."""
+    """Bytes this rank sent over `group` by the ring rule (hybrid.distributed.comm counts full
+    sizes)."""
     n = topology.tp if group == "tp" else topology.dp
     return sum(
         nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hybrid.distributed import init_distributed, shutdown
-from hybrid.topology import Topology
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from launch.config import PRESET_DIR, Config, load_config
-from launch.rehearsal import measure
+from launch.planning.rehearsal import measure
 
 WORLD = 4
 # The tiny preset at tp 2 (dp 2), made uneven: 3 layers of d_model 120 (60 a TP rank)

@@ -16,10 +16,10 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from tp_cases import in_process_group
 
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 # Parameters dominate (a unit bucket is ~0.8 MB in fp32 against ~0.2 MB of activations per

@@ -59,7 +59,7 @@ def test_batches_reach_the_device_from_pinned_memory() -> None:
     """The profiler's copy events name their source: pinned, not pageable."""
     from torch.profiler import ProfilerActivity, profile
 
-    from launch.trainer import split_batch
+    from launch.train.step import split_batch
 
     window = torch.randint(0, 128, (4, 65))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -16,7 +16,7 @@ import bf16_masters_cases as cases
 import pytest
 import torch
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 # How far the engine's master updates may stray from the reference's, as the norm of the
 # difference of the updates (masters after a step minus the initial masters) over the

@@ -14,17 +14,17 @@ import zero_cases
 from checkpoint_cases import run
 from small_run import TINY_CONFIG, small_run_overrides
 
-import hybrid.checkpoint
-from hybrid.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.checkpoint_files import CheckpointError, check_checkpoint, find_latest
-from hybrid.distributed import init_distributed, shutdown, world_size_from_env
+import hybrid.checkpoint.engine_state
+from hybrid.checkpoint.engine_state import load_checkpoint, save_checkpoint
+from hybrid.checkpoint.folders import CheckpointError, check_checkpoint, find_latest
+from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
+from hybrid.instruments.local_processes import run_processes
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.testing import run_processes
-from hybrid.topology import Topology
-from launch.checkpointing import resume_from
 from launch.config import ConfigError, load_config, validate_layout
 from launch.pretrain import train
+from launch.train.checkpointing import resume_from
 from models.gpt import GPT
 
 
@@ -111,7 +111,7 @@ class _Payload:
 def test_crafted_checkpoint_index_is_refused_without_running_it(tmp_path: Path) -> None:
     import pickle
 
-    from hybrid.checkpoint_files import CheckpointError, SafeReader
+    from hybrid.checkpoint.folders import CheckpointError, SafeReader
 
     marker = tmp_path / "pwned"
     folder = tmp_path / "step_00000001"
@@ -157,7 +157,7 @@ def test_a_failed_save_keeps_the_last_good_checkpoint(
         (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half a shard")
         raise OSError("disk full")
 
-    monkeypatch.setattr(hybrid.checkpoint.dcp, "save", dies_mid_write)
+    monkeypatch.setattr(hybrid.checkpoint.engine_state.dcp, "save", dies_mid_write)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(engine, tmp_path, 2, {"step": 2}, {}, keep=1)
     assert find_latest(tmp_path) == good

@@ -18,12 +18,12 @@ from checkpoint_async_cases import (
     save_while_training,
 )
 
-from hybrid.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.checkpoint_files import CheckpointError, check_checksums
+from hybrid.checkpoint.engine_state import load_checkpoint, save_checkpoint
+from hybrid.checkpoint.folders import CheckpointError, check_checksums
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
+from hybrid.instruments.local_processes import run_processes
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.testing import run_processes
-from hybrid.topology import Topology
 from models.gpt import GPT
 
 

@@ -1,7 +1,7 @@
 """A sharded save writes the engine's tensors without copying them (peak RSS): DCP's
 writer clones any tensor whose storage is larger than itself and keeps every clone until
 its file is written, so chunks that were plain views of the flat buffers cost a second
-copy of everything a rank saves (hybrid.checkpoint._own_storage)."""
+copy of everything a rank saves (hybrid.checkpoint.engine_state._own_storage)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import checkpoint_memory_cases
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 
 def test_a_save_does_not_copy_what_it_writes(tmp_path: Path) -> None:

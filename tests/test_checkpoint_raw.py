@@ -1,4 +1,4 @@
-"""Checkpoint pieces as raw bytes (hybrid.checkpoint_raw), checked against the bytes numpy
+"""Checkpoint pieces as raw bytes (hybrid.checkpoint.raw), checked against the bytes numpy
 gives for the same tensors and against DCP's own writer and reader."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hybrid.checkpoint_chunks import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner
-from hybrid.checkpoint_files import SafeReader
-from hybrid.checkpoint_raw import RawWriter
+from hybrid.checkpoint.chunks import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner
+from hybrid.checkpoint.folders import SafeReader
+from hybrid.checkpoint.raw import RawWriter
 
 
 def _quiet(call: Any, *args: Any, **kwargs: Any) -> Any:

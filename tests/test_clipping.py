@@ -16,7 +16,7 @@ import clipping_cases as cases
 import pytest
 import torch
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 # fp32 on CPU at another layout sums in another order: about 1e-7 relative per step, and
 # Adam with a large eps (clipping_cases) passes gradient differences on almost unchanged.

@@ -106,7 +106,7 @@ def _count_collectives() -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.nn.parallel import DistributedDataParallel
 
-    from hybrid.distributed import init_distributed, shutdown
+    from hybrid.distributed.env import init_distributed, shutdown
 
     env = init_distributed()
     try:
@@ -128,7 +128,7 @@ def _count_collectives() -> dict:
 
 
 def test_comm_counter_sees_every_path_to_a_process_group() -> None:
-    from hybrid.testing import run_processes
+    from hybrid.instruments.local_processes import run_processes
 
     counts = run_processes(_count_collectives, 2)[0]
     assert counts["all_reduce"] == {"all_reduce": 40}
@@ -284,7 +284,7 @@ def _worker_with_fake_system(out: str) -> dict:
 
 
 def test_worker_reads_the_baseline_before_the_system_is_built(tmp_path: Path) -> None:
-    from hybrid.testing import run_processes
+    from hybrid.instruments.local_processes import run_processes
 
     result = run_processes(_worker_with_fake_system, 1, str(tmp_path))[0]
     # The 128 MB the system built are above the baseline; so is the timed steps' 48 MB.
@@ -334,7 +334,7 @@ def test_bf16_pairs_follow_a_timed_matmul_not_the_cpus_name(monkeypatch) -> None
     absent and the report says why with the measured rates; where it reports native
     kernels, it says how to run them."""
     import benchmarks.compare_systems as compare
-    import launch.matmul_rate as rate
+    import launch.observe.matmul_rate as rate
 
     assert rate.matmul_gflops(torch.float32, size=64) > 0.0  # the real probe, unpatched
     speeds = {torch.bfloat16: 0.8, torch.float32: 50.0}

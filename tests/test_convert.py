@@ -24,16 +24,16 @@ from transformers import (
     AutoModelForCausalLM,
 )
 
-from hybrid import checkpoint_write
-from hybrid.checkpoint_files import SafeReader
-from hybrid.checkpoint_read import CheckpointTensors, checkpoint_tensor_layout
-from hybrid.distributed import init_distributed, shutdown, world_size_from_env
-from hybrid.testing import run_processes
+from hybrid.checkpoint import offline_write as checkpoint_write
+from hybrid.checkpoint.folders import SafeReader
+from hybrid.checkpoint.offline_read import CheckpointTensors, checkpoint_tensor_layout
+from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
+from hybrid.instruments.local_processes import run_processes
 from launch import convert
 from launch.config import load_config, validate_layout
-from launch.training import train
+from launch.train.loop import train
 from models.gpt import GPT, GPTConfig
-from models.gpt.hf import read_hf_folder
+from models.gpt.hf.folder import read_hf_folder
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from hybrid.comm import Group
+from hybrid.distributed.comm import Group
 from hybrid.tensor_parallel import vocab_parallel_cross_entropy
 
 TOKENS, VOCAB, REAL = 256, 2048, 2000  # 48 padded columns, as a vocabulary padded to 128

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from small_run import TINY_CONFIG, small_run_overrides
 
-from hybrid.distributed import init_distributed, shutdown, world_size_from_env
+from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
 from launch.config import load_config, validate_layout
 from launch.pretrain import train
 
@@ -36,7 +36,7 @@ def _train(overrides: list[str]) -> list[dict]:
 def test_two_ranks_match_single_process(
     small_corpus: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
-    from hybrid.testing import run_processes
+    from hybrid.instruments.local_processes import run_processes
 
     single = _train(_overrides(small_corpus, cache_dir, tmp_path / "single"))
     ranks = run_processes(_train, 2, _overrides(small_corpus, cache_dir, tmp_path / "dp2"))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 from launch import finetune, pretrain
 from launch.data.examples import read_examples
 from launch.data.sampler import DistributedBatches

@@ -2,8 +2,8 @@
 halves on an overflow (which skips the update and starts the count again), and a resumed
 run goes on with the scale its checkpoint saved, not the initial one.
 
-fp16 runs on CPU here: the command line refuses it without CUDA (launch.cli), but the
-Engine and `launch.training.train` do not care where they run, and scaling is arithmetic.
+fp16 runs on CPU here: the command line refuses it without CUDA (launch.train.entry), but the
+Engine and `launch.train.loop.train` do not care where they run, and scaling is arithmetic.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch
 import zero_cases
 from small_run import TINY_CONFIG, small_run_overrides
 
-import launch.training
-from hybrid.distributed import init_distributed, shutdown
+import launch.train.loop
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
-from launch.checkpointing import resume_from
 from launch.config import load_config, validate_layout
+from launch.train.checkpointing import resume_from
 from models.gpt import GPT
 
 
@@ -63,26 +63,26 @@ def _saved_scales(run_dir: Path) -> dict[int, float]:
 def test_resumed_run_restores_the_saved_loss_scale(
     small_corpus: Path, cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """launch.training with fp16 from 1024 and a window of 2 (the Engine's settings,
+    """launch.train.loop with fp16 from 1024 and a window of 2 (the Engine's settings,
     patched from outside as tests/fault_entry.py does), 6 steps with a checkpoint each.
     Stopped after 3 good steps, the checkpoint holds 2048 (doubled after step 2) and the
     resumed run starts from 2048, not 1024; and it grows when a run that never stopped does
     (after step 4: four good steps in a row), so the count of good steps since the last
     change is restored too, not restarted at zero."""
     monkeypatch.setattr(
-        launch.training,
+        launch.train.loop,
         "EngineConfig",
         functools.partial(EngineConfig, initial_loss_scale=1024.0, loss_scale_window=2),
     )
     restored: list[float] = []
-    original_restore = launch.training.restore
+    original_restore = launch.train.loop.restore
 
     def restore(*args: Any) -> dict[str, Any]:
         state = original_restore(*args)
         restored.append(args[1].loss_scale)  # the engine's scale once the checkpoint loaded
         return state
 
-    monkeypatch.setattr(launch.training, "restore", restore)
+    monkeypatch.setattr(launch.train.loop, "restore", restore)
     env = init_distributed()
     try:
         for name, more in [("straight", []), ("resumed", ["train.stop_at=3"]), ("resumed", [])]:
@@ -90,7 +90,7 @@ def test_resumed_run_restores_the_saved_loss_scale(
             overrides += ["train.precision=fp16", "train.steps=6", "train.eval_every=6"]
             overrides += ["sample.tokens=0", "checkpoint.every=1", *more]
             config = load_config(TINY_CONFIG, overrides)
-            launch.training.train(config, env, validate_layout(config, 1), resume_from(config))
+            launch.train.loop.train(config, env, validate_layout(config, 1), resume_from(config))
     finally:
         shutdown(env)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid.full_state import write_safetensors
-from hybrid.testing import run_processes
+from hybrid.checkpoint.full_state import write_safetensors
+from hybrid.instruments.local_processes import run_processes
 from models.gpt import GPT
 
 

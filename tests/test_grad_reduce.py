@@ -32,8 +32,8 @@ from grad_reduce_cases import (
     micro_batches,
 )
 
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import Layout, plan
-from hybrid.testing import run_processes
 from models.gpt import GPT
 from models.gpt.accounting import rank_parameters, transformer_shape
 

@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from hybrid.comm import VirtualGroup
+from hybrid.distributed.comm import VirtualGroup
+from hybrid.instruments.local_processes import run_processes
 from hybrid.tensor_parallel import TensorParallel, TPRandom, parameter_shards
 from hybrid.tensor_parallel.shards import local_slice
-from hybrid.testing import run_processes
 from models.gpt import GPT, GPTConfig
-from models.gpt.hf import (
+from models.gpt.hf.folder import (
     config_from_hf,
     hf_to_ours,
     ours_to_hf,

@@ -1,4 +1,4 @@
-"""The streamed Hugging Face export (models.gpt.hf_export) against transformers' own
+"""The streamed Hugging Face export (models.gpt.hf.export) against transformers' own
 save_pretrained (the same files, index and tensors) and from_pretrained (the same logits
 as ours), for GPT-2 and Llama with grouped-query attention."""
 
@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from models.gpt import GPT
-from models.gpt.hf import read_hf_folder
-from models.gpt.hf_export import parse_shard_size, source_order, write_hf_export
+from models.gpt.hf.export import parse_shard_size, source_order, write_hf_export
+from models.gpt.hf.folder import read_hf_folder
 
 FAMILIES = ("gpt2", "llama")
 INDEX = "model.safetensors.index.json"

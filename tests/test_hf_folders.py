@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.cli import check_before_start
 from launch.config import ConfigError, DataConfig, MixtureSource, load_config
 from launch.data import prepare_data
-from launch.data.prepare import prepare_corpus
+from launch.data.prepare.corpus import prepare_corpus
 from launch.data.token_file import resolve_files, token_folder
 from launch.data.tokenizers import gpt2_tokenizer
+from launch.train.entry import check_before_start
 
 TEXTS = ["The first row.", None, "A second\n\nrow, of two paragraphs.", "", "Third", "ünï"]
 IDS = [[5, 6, 7], [], [50256, 1], [0], None, [42] * 5]

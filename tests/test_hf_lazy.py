@@ -1,4 +1,4 @@
-"""Lazy Hugging Face import (models.gpt.hf_files): every rank reads only its piece.
+"""Lazy Hugging Face import (models.gpt.hf.lazy): every rank reads only its piece.
 
 - `read` equals the old eager path (hf_to_ours of the whole files, then local_slice) for
   every parameter, tp in (1, 2, 4), every rank and ranges that start and end mid-row and
@@ -25,15 +25,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hybrid.comm import VirtualGroup
+from hybrid.distributed.comm import VirtualGroup
+from hybrid.instruments.local_processes import run_processes
 from hybrid.tensor_parallel import TensorParallel, TPRandom, parameter_shards
 from hybrid.tensor_parallel.shards import local_shape, local_slice
-from hybrid.testing import run_processes
 from models.gpt import GPT
-from models.gpt import hf_bin as hf_bin_module
-from models.gpt import hf_files as hf_files_module
-from models.gpt.hf import hf_to_ours, read_hf_config, read_hf_weights
-from models.gpt.hf_files import bin_to_safetensors, open_hf_weights
+from models.gpt.hf import bin as hf_bin_module
+from models.gpt.hf import lazy as hf_files_module
+from models.gpt.hf.folder import hf_to_ours, read_hf_config, read_hf_weights
+from models.gpt.hf.lazy import bin_to_safetensors, open_hf_weights
 
 FAMILIES = ("gpt2", "llama")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from small_run import TINY_CONFIG, small_run_overrides
 
-from hybrid.distributed import init_distributed, shutdown, world_size_from_env
-from hybrid.testing import run_processes
+from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
+from hybrid.instruments.local_processes import run_processes
 from launch.config import load_config, validate_layout
 from launch.pretrain import train
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from small_run import TINY_CONFIG
 
-import launch.cli
+import launch.train.entry
 from launch import finetune, pretrain
 from launch.data.tokenizers import GPT2_DIR
 
@@ -77,7 +77,7 @@ def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a process group was started for an invalid config")
 
-    monkeypatch.setattr(launch.cli, "init_distributed", refuse)
+    monkeypatch.setattr(launch.train.entry, "init_distributed", refuse)
 
 
 def _files(tmp_path: Path) -> None:

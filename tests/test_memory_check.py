@@ -4,7 +4,7 @@
   launch.pretrain and launch.finetune with one line holding both numbers and a layout that
   fits (which itself passes every check), before any process group starts; with
   `train.memory_check=warn` the run goes on.
-- During the run: the instrument (launch.peak_memory) sees a tensor of known size on CPU
+- During the run: the instrument (launch.observe.peak_memory) sees a tensor of known size on CPU
   above its baseline, keeps the peak after it is freed, starts again at each run, and takes
   the largest rank's; metrics.jsonl carries it beside the planner's figure.
 """
@@ -19,15 +19,15 @@ import pytest
 import torch
 from small_run import TINY_CONFIG, small_run_overrides
 
-import launch.cli
-from hybrid.distributed import init_distributed, shutdown
+import launch.train.entry
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import parse_bytes
-from hybrid.testing import run_processes
 from launch import finetune, pretrain
 from launch.config import load_config
-from launch.memory_check import format_bytes, planned_peak, run_model
-from launch.peak_memory import PeakMemory, memory_summary
-from launch.tracking import read_metrics
+from launch.observe.peak_memory import PeakMemory, memory_summary
+from launch.observe.tracking import read_metrics
+from launch.planning.memory_check import format_bytes, planned_peak, run_model
 
 MiB = 2**20
 
@@ -41,7 +41,7 @@ def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise Started
 
-    monkeypatch.setattr(launch.cli, "init_distributed", refuse)
+    monkeypatch.setattr(launch.train.entry, "init_distributed", refuse)
 
 
 def _error_line(capsys: pytest.CaptureFixture[str]) -> str:

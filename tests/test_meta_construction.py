@@ -7,10 +7,10 @@ import dataclasses
 import torch
 from zero_cases import meta_stage3_weights
 
-from hybrid.comm import VirtualGroup
+from hybrid.distributed.comm import VirtualGroup
 from hybrid.engine import build_buckets
+from hybrid.instruments.local_processes import run_processes
 from hybrid.tensor_parallel import TensorParallel, TPRandom, parameter_shards
-from hybrid.testing import run_processes
 from launch.config import PRESET_DIR, load_config
 from models.gpt import GPT, GPTConfig, pad_vocab_size
 from models.gpt.accounting import count_parameters

@@ -14,7 +14,7 @@ from pathlib import Path
 from small_run import TINY_CONFIG, small_run_overrides
 
 from launch import pretrain
-from launch.tracking import rotate_old_metrics
+from launch.observe.tracking import rotate_old_metrics
 
 
 def _steps(path: Path) -> list[int]:

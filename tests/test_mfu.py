@@ -13,10 +13,10 @@ from small_run import TINY_CONFIG, small_run_overrides
 
 from launch import pretrain
 from launch.config import WandbConfig, load_config
-from launch.memory_check import format_bytes, planned_peak, run_model
-from launch.mfu import Utilization, format_mfu, mfu, table_peak_tflops
-from launch.peak_memory import PeakMemory
-from launch.tracking import Tracker, read_metrics
+from launch.observe.mfu import Utilization, format_mfu, mfu, table_peak_tflops
+from launch.observe.peak_memory import PeakMemory
+from launch.observe.tracking import Tracker, read_metrics
+from launch.planning.memory_check import format_bytes, planned_peak, run_model
 from models.gpt import GPTConfig
 
 PEAK_TFLOPS = 0.5  # a figure of a fraction of a percent on a loaded CPU
@@ -42,7 +42,7 @@ def _planner_flops_per_token(overrides: list[str]) -> float:
     config = load_config(TINY_CONFIG, overrides)
     plan = planned_peak(config, run_model(config, 320), 1)
     assert plan.time is not None and "mfu" in plan.time
-    hardware_peak = 312e12  # launch.memory_check plans on the default Hardware
+    hardware_peak = 312e12  # launch.planning.memory_check plans on the default Hardware
     return plan.time["mfu"] * 1 * hardware_peak / plan.time["tokens_per_s"]
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from small_run import TINY_CONFIG, small_run_overrides
 
-from hybrid.distributed import init_distributed, shutdown, world_size_from_env
-from hybrid.testing import run_processes
+from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
+from hybrid.instruments.local_processes import run_processes
 from launch.config import DataConfig, MixtureSource, load_config, validate_layout
 from launch.data import DistributedBatches, TokenWindows, load_tokenizer, prepare_data
 from launch.data.mixture import (
@@ -25,7 +25,7 @@ from launch.data.mixture import (
     source_names,
     validation_sets,
 )
-from launch.training import train
+from launch.train.loop import train
 
 SEQ = 8
 OFFSET = 10_000  # source B's tokens: its windows are told apart by their values

@@ -18,7 +18,7 @@ from typing import Any
 import nonfinite_cases as cases
 import pytest
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 from launch.data.examples import Examples, PackedExamples, read_examples
 from launch.data.tokenizers import gpt2_tokenizer
-from launch.trainer import evaluate, model_options, split_batch
+from launch.train.step import evaluate, model_options, split_batch
 from models.gpt import GPT, IGNORE_INDEX, GPTConfig
 from models.gpt.attention import document_mask, rotary_cos_sin, segment_positions
 
@@ -225,9 +225,9 @@ def test_trainer_passes_segments_through(examples: Examples) -> None:
 def _tp_losses(config: GPTConfig, batch: tuple[torch.Tensor, ...]) -> dict[str, float]:
     """In each rank of a process group of 2: the packed loss at tp=2, with and without
     sequence parallelism (attention sees the whole sequence either way)."""
-    from hybrid.distributed import init_distributed, shutdown
+    from hybrid.distributed.env import init_distributed, shutdown
+    from hybrid.distributed.topology import Topology
     from hybrid.tensor_parallel import TensorParallel
-    from hybrid.topology import Topology
 
     env = init_distributed()
     try:
@@ -255,14 +255,14 @@ def test_packed_loss_at_tp2(config: GPTConfig, examples: Examples) -> None:
 
 
 def _steps(layouts: list[tuple[int, int, bool]], steps: list) -> list:
-    """Two optimizer steps through launch.trainer.train_step and the Engine at each
+    """Two optimizer steps through launch.train.step.train_step and the Engine at each
     (tp, zero stage, sequence parallel) layout: each step's loss and gradient norm. With
     one process the whole global batch is one micro-batch; else this DP rank's share of
     the micro-batches."""
+    from hybrid.distributed.topology import Topology
     from hybrid.engine import Engine, EngineConfig
     from hybrid.tensor_parallel import TensorParallel
-    from hybrid.topology import Topology
-    from launch.trainer import train_step
+    from launch.train.step import train_step
 
     out = []
     for tp, stage, sp in layouts:
@@ -282,7 +282,7 @@ def _steps(layouts: list[tuple[int, int, bool]], steps: list) -> list:
 
 
 def _steps_in_group(layouts: list[tuple[int, int, bool]], steps: list) -> list:
-    from hybrid.distributed import init_distributed, shutdown
+    from hybrid.distributed.env import init_distributed, shutdown
 
     env = init_distributed()
     try:

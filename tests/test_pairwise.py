@@ -1,11 +1,11 @@
-"""hybrid.pairwise: ZeRO's all-gather, and its reduce-scatter in a group of two, as direct
-exchanges on gloo's point-to-point sends (hybrid.comm.Group uses them on gloo), held
-against independent references in 2- and 4-process gloo jobs:
+"""hybrid.distributed.pairwise: ZeRO's all-gather, and its reduce-scatter in a group of two, as
+direct exchanges on gloo's point-to-point sends (hybrid.distributed.comm.Group uses them on
+gloo), held against independent references in 2- and 4-process gloo jobs:
 - the all-gather is the concatenation of every rank's shard, bit for bit, in place and not;
 - the 2-rank reduce-scatter equals gloo's own reduce_scatter bit for bit (fp32 and bf16),
   and the fp64 sum of the two inputs within fp32 rounding;
 - four exchanges in flight at once, waited for in reverse, each get their own messages;
-- torch's dispatcher (hybrid.dispatch_counters) sees point-to-point sends, not gloo's
+- torch's dispatcher (hybrid.instruments.dispatch_counters) sees point-to-point sends, not gloo's
   collectives, and the bytes they send equal a ring's share, S (n-1)/n, which the library's
   own counter and the planner assume; at 4 ranks the reduce-scatter stays gloo's own;
 - the pairwise reduce-scatter refuses more than two ranks;
@@ -21,7 +21,7 @@ import pytest
 import torch
 from pairwise_cases import SHARD, inputs
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 FP32_UNIT = 2.0**-24
 
@@ -59,7 +59,7 @@ def test_dispatcher_sees_sends_of_a_rings_bytes(ranks: list[dict[str, Any]]) -> 
     full = size * SHARD * 4  # bytes of one flat fp32 tensor
     for r in ranks:
         assert r["pairwise"], r["rank"]
-        # Our own counter, by the collectives' convention (hybrid.comm).
+        # Our own counter, by the collectives' convention (hybrid.distributed.comm).
         assert r["counter"] == {("reduce_scatter", "dp"): 2 * full, ("all_gather", "dp"): 2 * full}
         calls = r["trace_calls"]
         if size == 2:  # everything pairwise: 2 x (1 + 1) sends, no gloo collective

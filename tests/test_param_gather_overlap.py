@@ -4,7 +4,7 @@ losses, an eval under no_grad and the final weights are bitwise those of the sam
 waiting for every gather in the step (fp32, dp=2, one bucket per layer). The overlap is
 seen from outside, in torch.profiler's record: forward matrix products start while a
 gather is in flight (gloo's all-gather, or the receives of the pairwise exchange the engine
-uses on gloo: hybrid.pairwise), and none do when the step waits."""
+uses on gloo: hybrid.distributed.pairwise), and none do when the step waits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import overlap_cases
 import pytest
 import torch
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -30,8 +30,9 @@ from plan_cases import (
     predicted_activations,
 )
 
-from hybrid.comm import VirtualGroup
+from hybrid.distributed.comm import VirtualGroup
 from hybrid.engine import build_buckets
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import (
     Layout,
     TransformerShape,
@@ -45,11 +46,10 @@ from hybrid.memory import (
     stored_activation_bytes,
 )
 from hybrid.tensor_parallel import TensorParallel, TPRandom
-from hybrid.testing import run_processes
 from hybrid.zero.bucket import max_bucket_numel
 from launch.config import PRESET_DIR, load_config
 from launch.plan import GPT2_TOKENS, main
-from launch.training import engine_config
+from launch.train.loop import engine_config
 from models.gpt import GPT, count_parameters, pad_vocab_size
 from models.gpt.accounting import rank_parameters, transformer_shape
 

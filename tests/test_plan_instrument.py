@@ -30,6 +30,7 @@ from __future__ import annotations
 import pytest
 from instrument_cases import GRID, MIXED, MODEL, measure_all, model_config
 
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import (
     Layout,
     Moment,
@@ -43,7 +44,6 @@ from hybrid.memory import (
     step_moments,
     step_peak,
 )
-from hybrid.testing import run_processes
 from models.gpt.accounting import rank_parameters, transformer_shape
 
 TOLERANCE = 0.10  # the acceptance: the planner within 10% of the instrument
@@ -223,8 +223,8 @@ def test_peak_is_the_largest_moment_and_total_adds_the_reserve() -> None:
 
 def test_gloo_adds_its_copies_only_where_its_own_collectives_run() -> None:
     """gloo's reduce-scatter copies its input in groups of more than two (a group of two
-    exchanges pairwise, hybrid.pairwise, and copies nothing); stage 3's all-gathers stage
-    their output at any dp; stages 1-2's all-gathers are pairwise (nothing); stage 0
+    exchanges pairwise, hybrid.distributed.pairwise, and copies nothing); stage 3's all-gathers
+    stage their output at any dp; stages 1-2's all-gathers are pairwise (nothing); stage 0
     reduces by all-reduce (nothing)."""
     params, shape = rank_parameters(MODEL, 1), transformer_shape(MODEL)
     for gpus in (2, 4):

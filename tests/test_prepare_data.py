@@ -1,4 +1,4 @@
-"""Streaming corpus preparation (launch.data.prepare, launch.prepare_data): the tokens
+"""Streaming corpus preparation (launch.data.prepare.corpus, launch.prepare_data): the tokens
 equal a plain tokenization of the same documents, workers change nothing, a crash keeps
 the finished inputs, the cache key and start-up check are cheap but catch what they
 promise, and waiting ranks outlast the collective timeout."""
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from launch.data import prepare as prepare_module
-from launch.data import prepare_read
-from launch.data.prepare import prepare_corpus
+from launch.data.prepare import corpus as prepare_module
+from launch.data.prepare import read as prepare_read
+from launch.data.prepare.corpus import prepare_corpus
 from launch.data.token_file import build_token_file, token_folder
 from launch.data.tokenizers import gpt2_tokenizer
 
@@ -167,7 +167,7 @@ def test_waiting_ranks_outlast_the_collective_timeout(
 ) -> None:
     from test_prepare_data_cases import TIMEOUT_S, slow_preparation
 
-    from hybrid.testing import run_processes
+    from hybrid.instruments.local_processes import run_processes
 
     delay = 2 * TIMEOUT_S
     results = run_processes(

@@ -1,5 +1,6 @@
-"""Cases of tests/test_prepare_data.py that run in several processes (hybrid.testing):
-the data phase of a job whose preparation outlasts the collective timeout."""
+"""Cases of tests/test_prepare_data.py that run in several processes
+(hybrid.instruments.local_processes): the data phase of a job whose preparation outlasts the
+collective timeout."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid.distributed import init_distributed, shutdown
-from launch import training
+from hybrid.distributed.env import init_distributed, shutdown
 from launch.config import Config, ConfigError, DataConfig
+from launch.train import loop as training
 
 TIMEOUT_S = 2.0  # the process group's; local rank 0 prepares for longer
 
@@ -35,7 +36,9 @@ def slow_preparation(corpus: str, cache_dir: str, delay_s: float, fail: bool) ->
     started = time.perf_counter()
     try:
         data = training.load_data(config, env, 16)
-    except ConfigError as error:  # as launch.cli: every rank alike, then the shutdown barrier
+    except (
+        ConfigError
+    ) as error:  # as launch.train.entry: every rank alike, then the shutdown barrier
         shutdown(env)
         return {"error": str(error)}
     waited = time.perf_counter() - started

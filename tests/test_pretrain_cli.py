@@ -16,7 +16,7 @@ from wandb_log import history
 
 from launch import pretrain
 from launch.config import load_config
-from launch.memory_check import format_bytes, planned_peak, run_model
+from launch.planning.memory_check import format_bytes, planned_peak, run_model
 from models.gpt import count_parameters
 
 ROOT = Path(__file__).resolve().parent.parent

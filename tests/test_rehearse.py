@@ -1,10 +1,10 @@
 """launch.rehearse: one rank of a job played by one process, its peers a fake process
-group (hybrid.fake_world), held against a real 4-process gloo job of the same layout and
+group (hybrid.instruments.fake_world), held against a real 4-process gloo job of the same layout and
 against the planner.
 
 - Model states: the parameters, gradients and optimizer states rank 0 and rank 3 hold,
   built and after the last backward, measured by the same instrument (MemTracker, the
-  engine's storages filed by category: hybrid.engine_memory), equal to the byte between
+  engine's storages filed by category: hybrid.instruments.engine_memory), equal to the byte between
   the rehearsal and the real job, at ZeRO stages 0-3, tp 2, dp 2.
 - The rehearsal's peak, and each category at it, within 10% of the planner's (the
   acceptance tolerance, as benchmarks/rehearsal.py checks at 17B and 175B).
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from rehearse_cases import STAGES, WORLD, config, real_job
 
-import launch.rehearsal as rehearsal
-from hybrid.testing import run_processes
+import launch.planning.rehearsal as rehearsal
+from hybrid.instruments.local_processes import run_processes
 from launch.config import PRESET_DIR, load_config
-from launch.rehearsal import Request, rehearse
+from launch.planning.rehearsal import Request, rehearse
 from launch.rehearse import main
 
 TOLERANCE = 0.10

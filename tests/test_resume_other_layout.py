@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from small_run import TINY_CONFIG, small_run_overrides
 
-from hybrid.distributed import init_distributed, shutdown, world_size_from_env
-from hybrid.testing import run_processes
+from hybrid.distributed.env import init_distributed, shutdown, world_size_from_env
+from hybrid.instruments.local_processes import run_processes
 from launch import pretrain
-from launch.checkpointing import resume_from
 from launch.config import load_config, validate_layout
-from launch.training import train
+from launch.train.checkpointing import resume_from
+from launch.train.loop import train
 
 SAVED = "step_00000003"
 

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from checkpoint_cases import build
 from small_run import TINY_CONFIG
 
-from hybrid.checkpoint import load_checkpoint, save_checkpoint
-from hybrid.checkpoint_files import check_checksums
-from hybrid.distributed import init_distributed, shutdown
-from hybrid.testing import run_processes
-from launch.checkpointing import resume_candidate, resume_from, verify_resume
+from hybrid.checkpoint.engine_state import load_checkpoint, save_checkpoint
+from hybrid.checkpoint.folders import check_checksums
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.instruments.local_processes import run_processes
 from launch.config import ConfigError, load_config, to_dict, valid_keys
+from launch.train.checkpointing import resume_candidate, resume_from, verify_resume
 
 WORLD = 4
 ALTERED = "__1_0.distcp"  # hashed by rank 1 (the split gives rank 0 the largest shard)
@@ -191,12 +191,12 @@ def test_the_command_line_hashes_after_start_up_and_names_the_file(
 ) -> None:
     """launch.pretrain alone (training replaced): the altered file is one error line,
     exit code 2, found after start-up and before training begins."""
-    import launch.cli
+    import launch.train.entry
     from launch import pretrain
 
     root, _ = four_ranks
     trained = []
-    monkeypatch.setattr(launch.cli, "train", lambda *args: trained.append(args))
+    monkeypatch.setattr(launch.train.entry, "train", lambda *args: trained.append(args))
     folder = root / "step_00000002"
     argv = ["--config", str(TINY_CONFIG), f"checkpoint.resume={folder}"]
     assert pretrain.main(argv) == 2

@@ -1,6 +1,6 @@
-"""hybrid.testing.run_processes, which every multi-process test stands on: results in rank
-order, a child's traceback when it raises, and a child that dies without a word named at
-once rather than after the whole timeout."""
+"""hybrid.instruments.local_processes.run_processes, which every multi-process test stands on:
+results in rank order, a child's traceback when it raises, and a child that dies without a word
+named at once rather than after the whole timeout."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 
 def _rank_and_env(name: str) -> tuple[int, str | None]:

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from hybrid.comm import VirtualGroup
+from hybrid.distributed.comm import VirtualGroup
 from hybrid.tensor_parallel import TensorParallel, TPRandom, parameter_shards, seeded, shards
 from hybrid.tensor_parallel.seeded import seeded_normal
 from hybrid.tensor_parallel.shards import local_slice

@@ -236,8 +236,8 @@ def test_pretraining_reads_a_shard_folder_in_place_and_names_a_missing_shard(
     from small_run import TINY_CONFIG, small_run_overrides
 
     from launch import pretrain
-    from launch.cli import check_before_start
     from launch.config import ConfigError, load_config
+    from launch.train.entry import check_before_start
 
     folder = tmp_path / "shards"
     ids = np.random.default_rng(0).integers(0, 50257, size=6000)

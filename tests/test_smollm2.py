@@ -26,11 +26,11 @@ import hf_cases
 import pytest
 import torch
 
-import launch.training
-from hybrid.testing import run_processes
+import launch.train.loop
+from hybrid.instruments.local_processes import run_processes
 from launch import convert, finetune
 from models.gpt import GPT
-from models.gpt.hf import config_from_hf, hf_to_ours
+from models.gpt.hf.folder import config_from_hf, hf_to_ours
 
 PROMPT = "The capital of France is"
 FINETUNE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "finetune.yaml"
@@ -127,14 +127,14 @@ def test_smollm2_finetuned_one_step_exports_what_transformers_loads(
     text = tmp_path / "text.txt"
     text.write_text(small_corpus.read_text()[:20_000])
     ours: list[torch.Tensor] = []
-    write_final_weights = launch.training.write_final_weights
+    write_final_weights = launch.train.loop.write_final_weights
 
     def logits_then_export(engine: Any, *args: Any) -> None:
         with torch.no_grad():
             ours.append(engine.module.eval()(smollm2.ids)[:, -1])
         write_final_weights(engine, *args)
 
-    monkeypatch.setattr(launch.training, "write_final_weights", logits_then_export)
+    monkeypatch.setattr(launch.train.loop, "write_final_weights", logits_then_export)
     run_dir = tmp_path / "run"
     overrides = [
         f"init_from={smollm2.folder}", f"data.files=[{text}]", f"data.cache_dir={cache_dir}",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import stage3_memory_cases
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 TOLERANCE = 1.05
 MODES = ["none", "selective", "full"]

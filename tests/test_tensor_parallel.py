@@ -12,8 +12,8 @@ import pytest
 import torch
 import tp_cases
 
-from hybrid.testing import run_processes
-from hybrid.topology import check_layout
+from hybrid.distributed.topology import check_layout
+from hybrid.instruments.local_processes import run_processes
 from models.gpt import GPT, GPTConfig
 from models.gpt.model import check_tp_shapes
 

@@ -35,7 +35,7 @@ import pytest
 import two_nodes_cases as cases
 from small_run import TINY_CONFIG, small_run_overrides
 
-from hybrid.testing import free_port, run_processes
+from hybrid.instruments.local_processes import free_port, run_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120  # a broken data phase hangs the job: fail the test instead

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zero_cases
 
-from hybrid.testing import run_processes
+from hybrid.instruments.local_processes import run_processes
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.zero_accounting import measure_stages, state_bytes
 from hybrid.engine import EngineConfig
+from hybrid.instruments.local_processes import run_processes
 from hybrid.memory import (
     ADAM_MIXED_K,
     dp_traffic_bytes,
@@ -20,7 +21,6 @@ from hybrid.memory import (
     grad_element_bytes,
     model_state_bytes,
 )
-from hybrid.testing import run_processes
 from models.gpt import GPTConfig
 
 CONFIG = GPTConfig(n_layer=4, n_head=6, d_model=192, seq_len=128, vocab_size=4096)

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed.env import init_distributed, shutdown
+from hybrid.distributed.topology import Topology
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel, named_full_tensors, sync_sequence_parallel_grads
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 SEED = 11

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from tp_cases import in_process_group
 
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT, GPTConfig
 
 SEED = 3

@@ -17,7 +17,7 @@ Measurements, all per rank (metrics.py has the instruments):
 - communication: every collective that reaches a process group, counted where all systems
   meet, at torch's dispatcher: the `c10d::` operators (dist.* calls, DDP's C++ reducer,
   FSDP2, DeepSpeed) and the functional collectives (`_c10d_functional::`, DTensor's path),
-  during the last warm-up step; bytes follow hybrid.comm's convention (all-reduce
+  during the last warm-up step; bytes follow hybrid.distributed.comm's convention (all-reduce
   and broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input).
 """
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from launch.mfu import peak_flops
+from launch.observe.mfu import peak_flops
 from models.gpt import GPT, GPTConfig, flops_per_token
 
 from .metrics import PeakMeter
@@ -59,10 +59,10 @@ def _build(job: dict[str, Any], device: torch.device) -> tuple[Any, Any]:
     config = model_config(job["model"])
     bf16 = device.type == "cuda"
     if job["system"] == "ours":
+        from hybrid.distributed.topology import Topology
         from hybrid.engine import Engine, EngineConfig
         from hybrid.recompute import Recompute, RecomputePolicy
         from hybrid.tensor_parallel import TensorParallel
-        from hybrid.topology import Topology
 
         topology = Topology.single()
         tp = TensorParallel.from_topology(topology, 0, device=device)
@@ -155,7 +155,7 @@ def _launch(job: dict[str, Any], out: Path) -> dict[str, Any]:
 
 
 def _peak_flops(args: argparse.Namespace) -> float | None:
-    """--gpu-peak-tflops, else the training runs' own table (launch.mfu)."""
+    """--gpu-peak-tflops, else the training runs' own table (launch.observe.mfu)."""
     return peak_flops(args.gpu_peak_tflops or None, torch.device("cuda", 0))
 
 

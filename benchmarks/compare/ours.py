@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
+from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
-from hybrid.topology import Topology
 from models.gpt import GPT
 
 from .common import SEED, JobSpec
@@ -64,8 +64,8 @@ class OursTrainer:
         }
 
     def reported(self) -> dict[str, Any]:
-        # hybrid.comm's own count, per step (every step moves the same): a cross-check of
-        # the dispatcher-level count that all systems get.
+        # hybrid.distributed.comm's own count, per step (every step moves the same): a
+        # cross-check of the dispatcher-level count that all systems get.
         per_step = {
             f"{kind}/{group}": nbytes // max(self.steps, 1)
             for (kind, group), nbytes in self.topology.counter.bytes.items()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hybrid.distributed import init_distributed, shutdown
+from hybrid.distributed.env import init_distributed, shutdown
 
 from .breakdown import breakdown_step, rss_by_phase
 from .common import JobSpec, global_batches, load_lazy_imports, local_batch, machine, train

@@ -1,7 +1,7 @@
 """Bytes one GPU sends per optimizer step over its data-parallel and tensor-parallel
 groups, with ring collectives: an all-reduce of S bytes over n ranks sends 2 S (n-1)/n,
 a reduce-scatter or all-gather of S (the full tensor) sends S (n-1)/n (the ZeRO paper's
-convention, section 7; hybrid.comm counts S per call by the same rule).
+convention, section 7; hybrid.distributed.comm counts S per call by the same rule).
 
 Data parallelism (ZeRO section 7) moves 2 Psi per step at stages 0-2 (an all-reduce, or a
 reduce-scatter and an all-gather) and 3 Psi at stage 3 (parameters gathered for forward

@@ -64,13 +64,13 @@ Which moment is the peak, and why (each seen in tests/test_plan_instrument.py):
   open.
 
 `backend="gloo"` (CPU) adds what torch 2.13's ProcessGroupGloo allocates where
-hybrid.comm uses gloo's own collectives: a copy of a reduce-scatter's input (groups of
+hybrid.distributed.comm uses gloo's own collectives: a copy of a reduce-scatter's input (groups of
 more than two ranks) and a staging buffer for stage 3's all-gathers' output, from the
 call until its wait (NCCL needs none; measured with peak RSS: +30 MiB for a 28 MiB bucket
 either way). It is made inside the collective, so a tracker of torch's operations
 (MemTracker) sees it only once it is waited for; `Moment.seen` is a moment without what
-such a tracker cannot see. The pairwise exchanges hybrid.comm runs instead (the
-reduce-scatter in a group of two, stages 1-2's all-gathers: hybrid.pairwise) write into
+such a tracker cannot see. The pairwise exchanges hybrid.distributed.comm runs instead (the
+reduce-scatter in a group of two, stages 1-2's all-gathers: hybrid.distributed.pairwise) write into
 the engine's own buffers and allocate nothing.
 
 Not counted (each under 1% of a layer at h >= 64): norm statistics, token ids, the
@@ -82,6 +82,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybrid.distributed.pairwise import reduces_pairwise
 from hybrid.memory.activations import TransformerShape, layer_bytes
 from hybrid.memory.model_states import (
     bucket_numels,
@@ -92,7 +93,6 @@ from hybrid.memory.model_states import (
 from hybrid.memory.moment import BACKENDS as BACKENDS
 from hybrid.memory.moment import Moment as Moment
 from hybrid.memory.moment import StepLayout as StepLayout
-from hybrid.pairwise import reduces_pairwise
 from hybrid.zero.bucket import group_units, max_bucket_numel
 
 FP32 = 4
@@ -263,7 +263,7 @@ class _Step:
     def _copy(self, bucket: int) -> float:
         """gloo's copy of a reduce-scatter's input, made inside the call and released
         when its work is waited for and dropped (torch 2.13's ProcessGroupGloo); none in a
-        group of two, which exchanges pairwise (hybrid.comm)."""
+        group of two, which exchanges pairwise (hybrid.distributed.comm)."""
         gloo_own = self.layout.backend == "gloo" and not reduces_pairwise(self.layout.dp)
         return float(self.g * self.numels[bucket]) if gloo_own else 0.0
 

@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybrid.distributed.topology import check_layout
 from hybrid.memory.activations import TransformerShape, activation_bytes, check_recompute
 from hybrid.memory.communication import dp_traffic_bytes, tp_traffic_bytes
 from hybrid.memory.model_states import (
@@ -43,7 +44,6 @@ from hybrid.memory.model_states import (
     zero_state_bytes,
 )
 from hybrid.memory.peak import Moment, StepLayout, step_peak
-from hybrid.topology import check_layout
 
 
 @dataclass(frozen=True)

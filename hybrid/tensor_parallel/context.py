@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.comm import Group
+from hybrid.distributed.comm import Group
+from hybrid.distributed.topology import Topology
 from hybrid.tensor_parallel.random import TPRandom
-from hybrid.topology import Topology
 
 
 @dataclass(frozen=True)

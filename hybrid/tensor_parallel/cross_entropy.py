@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybrid.comm import Group
+from hybrid.distributed.comm import Group
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.comm import Group
+from hybrid.distributed.comm import Group
 from hybrid.tensor_parallel.context import TensorParallel
 from hybrid.tensor_parallel.mappings import (
     copy_to_region,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hybrid.comm import Group
+from hybrid.distributed.comm import Group
 
 Op = Callable[[torch.Tensor, Group], torch.Tensor]
 

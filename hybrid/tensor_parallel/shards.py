@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hybrid.comm import Group
+from hybrid.distributed.comm import Group
 from hybrid.tensor_parallel.seeded import seeded_normal
 
 CHUNK = 1 << 22  # local elements per pass: bounds the index temporaries (8 bytes each)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybrid.comm import Group, Handle
+from hybrid.distributed.comm import Group, Handle
 from hybrid.zero.bucket import FlatBucket
 
 
@@ -94,7 +94,7 @@ class ParameterGatherer:
         self._held.add(index)
         with torch.autograd._unsafe_preserve_version_counter(flat):
             # gloo's own all-gather: this one is waited for a unit later, on forward's
-            # critical path, where the pairwise exchange measured slower (hybrid.comm).
+            # critical path, where the pairwise exchange measured slower (hybrid.distributed.comm).
             self._inflight[index] = self.group.all_gather_into(
                 flat, self.shards[index], gloo_own=True
             )

@@ -12,7 +12,7 @@ At most `window` (2) gathers are in flight, issued in forward order (bucket 0 fi
 gloo's own all-gather stages each gather's output in a buffer of its own until it is
 waited for, so issuing every bucket at once would hold a second copy of all the
 parameters (measured: +0.3 GB of peak RSS on an 85M-parameter fp32 rank); waiting for one
-issues the next. (The pairwise exchange hybrid.comm runs on gloo, like NCCL's in-place
+issues the next. (The pairwise exchange hybrid.distributed.comm runs on gloo, like NCCL's in-place
 all-gather, writes into the flat buffer itself: there the window only bounds the
 messages in flight.)
 Every rank issues and waits in the same order (the module order of forward), so the
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from hybrid.comm import Group, Handle
+from hybrid.distributed.comm import Group, Handle
 
 
 class ParameterPublisher:

@@ -9,7 +9,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from launch.config import DataConfig
-from launch.data.prepare import resolve_workers
+from launch.data.prepare.corpus import resolve_workers
 from launch.data.sampler import DistributedBatches, TokenWindows, eval_batches
 from launch.data.shards import TokenShards, is_token_shards
 from launch.data.token_file import (

@@ -3,10 +3,10 @@
 The token file is a flat numpy array on disk (uint16 when every id fits, else uint32),
 opened as a read-only memmap, so every rank shares the page cache instead of holding a
 copy; `docs.bin` beside it holds the start offset of every document. The cache key hashes
-each input's size, modification time and a sampled content hash (launch.data.prepare_read),
+each input's size, modification time and a sampled content hash (launch.data.prepare.read),
 the text field, the tokenizer and the format version: a start reads about 1 MiB per file,
 not the corpus. The full content hash of every input is taken once, while preparing
-(launch.data.prepare), and stored in meta.json, which is written last: a crash mid-build
+(launch.data.prepare.corpus), and stored in meta.json, which is written last: a crash mid-build
 leaves no complete-looking cache behind.
 """
 
@@ -24,8 +24,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from launch.data.hf_folders import TOKENS_COLUMN, is_hf_folder, open_hf_folder
-from launch.data.prepare import prepare_corpus
-from launch.data.prepare_read import (
+from launch.data.prepare.corpus import prepare_corpus
+from launch.data.prepare.read import (
     HashingReader,
     file_format,
     full_hash,

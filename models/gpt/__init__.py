@@ -1,6 +1,6 @@
 """The GPT architecture on `hybrid` layers: GPT-2 by default, Llama-family options.
 
-Hugging Face import/export is in `models.gpt.hf` (imported on demand: it loads transformers).
+Hugging Face import/export is in `models.gpt.hf.folder` (imported on demand: it loads transformers).
 """
 
 from models.gpt.accounting import count_parameters, flops_per_token

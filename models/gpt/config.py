@@ -17,7 +17,7 @@ class GPTConfig:
     `vocab_size` may stay None in a user config: the launcher fills it from the tokenizer,
     padded up to a multiple of 128 as Megatron does (fast GEMMs, and divisible by any
     power-of-two tensor-parallel degree up to 128). A checkpoint imported from Hugging Face
-    keeps its exact vocabulary (models.gpt.hf); the vocabulary-parallel layers pad it
+    keeps its exact vocabulary (models.gpt.hf.folder); the vocabulary-parallel layers pad it
     locally when it does not divide by tp.
 
     Llama (Touvron et al. 2023) is `norm="rmsnorm", mlp="swiglu", positions="rope",

@@ -90,7 +90,7 @@ class GPT(nn.Module):
 
     Weights come from the seed (`reset_parameters`) or, with `init_weights`, from full
     (tp=1) tensors under our parameter names, e.g. a Hugging Face checkpoint converted by
-    `models.gpt.hf`: each rank keeps only its TP slice (`load_full_state`).
+    `models.gpt.hf.folder`: each rank keeps only its TP slice (`load_full_state`).
     """
 
     def __init__(
@@ -106,7 +106,7 @@ class GPT(nn.Module):
         """On `device="meta"` only shapes exist: nothing is allocated or initialised, and
         the Engine materialises each rank's shard from `initial_value` (ZeRO-3 at scale),
         which reads this rank's piece of `init_weights` when given (a mapping of full
-        tensors, or a WeightSource such as models.gpt.hf_files.open_hf_weights' lazy
+        tensors, or a WeightSource such as models.gpt.hf.lazy.open_hf_weights' lazy
         files), else draws from the seed."""
         super().__init__()
         if config.vocab_size is None:

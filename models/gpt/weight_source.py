@@ -2,7 +2,7 @@
 
 A WeightSource names full (tp=1) tensors under our parameter names and hands out any
 range of one TP rank's slice of them, so a rank that keeps 1/8 of a model reads 1/8 of
-it: `models.gpt.hf_files.HFWeights` reads a Hugging Face folder lazily through its
+it: `models.gpt.hf.lazy.HFWeights` reads a Hugging Face folder lazily through its
 memory-mapped files; `TensorSource` wraps tensors already in memory. GPT(init_weights=...)
 takes either (a plain mapping is wrapped in a TensorSource), so there is one code path.
 """

@@ -1,0 +1,371 @@
+"""One real rank of a large job, run on this machine and held against the planner.
+
+The rest of the job is torch's fake process group (hybrid.instruments.fake_world): this process is
+rank R of a world of N, with the topology, the shards, the buckets and the kernels that
+rank would have, and collectives that return at once. It builds the model on the meta
+device and lets the Engine materialise only rank R's shards, then runs training steps of
+the real engine (launch.train.step.train_step) on synthetic tokens. Measured, each by an
+instrument outside the code under test:
+- memory by category at the step's peak: torch's MemTracker, the engine's storages filed
+  by what they are (hybrid.instruments.engine_memory); on CUDA also the allocator's peak;
+- the FLOPs executed: torch's FLOP formulas, counted at its dispatcher; the step's wall
+  time, without instruments;
+- the bytes each collective would have moved: counted at torch's dispatcher
+  (hybrid.instruments.dispatch_counters), next to the library's own CollectiveCounter.
+The first step runs under the instruments; later ones are timed bare.
+
+Initial values are drawn with torch's generator, from the same distributions as GPT-2's
+initialisation, rather than the counter-based stream of a real run (which gives the same
+weights at any layout, at ~130 ns an element: about 5 minutes for one 17B rank's TP slice
+on two cores). Memory and speed do not depend on the values, only on their being finite
+and of the right scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import statistics
+import time
+import warnings
+from argparse import Namespace
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybrid.distributed.topology import Topology
+from hybrid.engine import Engine
+from hybrid.instruments.dispatch_counters import CollectiveTrace, FlopCount
+from hybrid.instruments.engine_memory import CATEGORIES, EngineMemoryTracker
+from hybrid.instruments.fake_world import fake_world
+from hybrid.memory import Hardware, Layout, Plan, parse_bytes
+from hybrid.recompute import Recompute, RecomputePolicy
+from hybrid.tensor_parallel import TensorParallel
+from launch.config import Config, ConfigError, validate_layout
+from launch.plan import GPT2_TOKENS, Model, layout_options
+from launch.planning.memory_check import format_bytes, run_model
+from launch.train.entry import tokenizer_size
+from launch.train.loop import engine_config
+from launch.train.step import split_batch, train_step
+from models.gpt import GPT, GPTConfig
+
+# Kept free beside the planned peak: the process itself (torch's libraries, the CUDA
+# context on a GPU), as launch.plan's default --reserve.
+RESERVE = parse_bytes("1GiB")
+
+
+class RehearsalError(ValueError):
+    """A rehearsal that cannot run; the message names the numbers and the fix."""
+
+
+class RehearsalGPT(GPT):
+    """The GPT whose meta parameters are materialised from torch's generator (see the
+    module docstring); everything else is the model's own."""
+
+    def initial_values(self, name: str, start: int, end: int) -> torch.Tensor:
+        param = self.get_parameter(name)
+        fill, std = self._init_rule(name, tuple(param.shape))
+        out = torch.full((end - start,), float(fill))
+        if std:
+            key = hashlib.sha256(f"{self.seed}:{name}:{start}".encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+            out.add_(torch.randn(end - start, generator=generator), alpha=std)
+        return out.to(param.dtype)
+
+
+@dataclass(frozen=True)
+class Request:
+    config: Config  # with --layers applied
+    name: str  # the preset or file
+    world: int
+    rank: int
+    steps: int = 2
+    memory_limit: int | None = None  # None: this machine's free memory
+
+
+def with_layers(config: Config, layers: int | None) -> Config:
+    """The config with only `layers` transformer layers, at full width."""
+    if layers is None:
+        return config
+    if not 1 <= layers <= config.model.n_layer:
+        raise RehearsalError(
+            f"--layers {layers} must be between 1 and the model's {config.model.n_layer}"
+        )
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, n_layer=layers))
+
+
+def model_config(config: Config) -> tuple[GPTConfig, int]:
+    """The model this rank builds, its vocabulary sized from the tokenizer as a run sizes
+    it (launch.planning.memory_check.run_model), and the number of real token ids, among which the
+    synthetic tokens are drawn."""
+    n_tokens = GPT2_TOKENS if config.data.tokenizer == "gpt2" else tokenizer_size(config)
+    model = run_model(config, n_tokens)
+    return model, min(n_tokens, model.vocab_size or n_tokens)
+
+
+def planned(request: Request, hardware: Hardware | None = None, device_type: str = "cpu") -> Plan:
+    """The planner's plan of this rank's layout on `device_type`; collectives as NCCL's
+    (the fake group, like NCCL, allocates nothing of its own)."""
+    config = request.config
+    model, _ = model_config(config)
+    layout = Layout(gpus=request.world, **layout_options(config))
+    args = Namespace(
+        gpu_memory=None,
+        reserve=RESERVE,
+        hardware=hardware or Hardware(),
+        backend="nccl",
+        device_type=device_type,
+    )
+    return Model(request.name, model, config.train.seq_len or model.seq_len).plan(layout, args)
+
+
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes this machine can give the rehearsal now, and where the figure comes from."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free memory of {device}"
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "MemAvailable of this machine"
+    raise RehearsalError("cannot read this machine's free memory; give --memory-limit")
+
+
+def check(request: Request, device: torch.device) -> Plan:
+    """Every refusal, before anything is allocated: a rank outside the world, a world not
+    divisible by tp (or a batch not divisible by micro-batch x dp), a layout the planner
+    says does not fit this machine's memory. Returns the plan."""
+    if request.steps < 1:
+        raise RehearsalError(f"--steps {request.steps} must be at least 1")
+    if not 0 <= request.rank < request.world:
+        raise RehearsalError(
+            f"--rank {request.rank} is outside a world of {request.world} ranks "
+            f"(0..{request.world - 1})"
+        )
+    try:
+        validate_layout(request.config, request.world)
+    except ConfigError as error:
+        raise RehearsalError(f"{error} (--world {request.world})") from None
+    try:
+        plan = planned(request, device_type=device.type)
+    except ValueError as error:
+        raise RehearsalError(str(error)) from None
+    limit, source = (request.memory_limit, "--memory-limit")
+    if limit is None:
+        limit, source = free_memory(device)
+    need = (plan.memory["peak"] or 0.0) + RESERVE
+    if need > limit:
+        raise RehearsalError(
+            f"rank {request.rank}'s planned peak, {format_bytes(need - RESERVE)} (+ "
+            f"{format_bytes(RESERVE)} for the process), exceeds the {format_bytes(limit)} "
+            f"{source}; {fitting_layers_hint(request, limit, device.type)}"
+        )
+    return plan
+
+
+def fitting_layers_hint(request: Request, limit: int, device_type: str = "cpu") -> str:
+    """The most layers that fit, for --layers, or the advice that none does."""
+    n = request.config.model.n_layer
+    for layers in range(n - 1, 0, -1):
+        smaller = dataclasses.replace(request, config=with_layers(request.config, layers))
+        if (planned(smaller, device_type=device_type).memory["peak"] or 0.0) + RESERVE <= limit:
+            return f"rehearse --layers {layers} (of {n}), or a layout with less per rank"
+    return "even one layer does not fit: choose a layout with less per rank"
+
+
+def rehearse(request: Request, device: torch.device) -> dict[str, Any]:
+    """Check, then run the rehearsal and compare it with the planner (see the module
+    docstring); the report as a dict (launch.rehearse prints it)."""
+    plan = check(request, device)
+    with fake_world(request.world, request.rank):
+        topology = Topology.build(request.config.parallel.tp, device.type)
+        measured = measure(request.config, topology, device, request.steps)
+    return compare(request, plan, measured, device)
+
+
+def measure(
+    config: Config, topology: Topology, device: torch.device, steps: int = 2
+) -> dict[str, Any]:
+    """Build this rank's model and Engine under the instruments and run `steps` training
+    steps: the first instrumented, the others timed. The topology may be a fake world's
+    (a rehearsal) or a real job's (tests compare the two)."""
+    t, p = config.train, config.parallel
+    model_cfg, real_tokens = model_config(config)
+    window = t.seq_len or model_cfg.seq_len
+    tp = TensorParallel.from_topology(topology, t.seed, p.sequence_parallel, device)
+    recompute = RecomputePolicy(Recompute(p.recompute), p.recompute_every)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated = torch.cuda.memory_allocated(device)
+    tracker = EngineMemoryTracker()
+    started = time.perf_counter()
+    with tracker:
+        model = RehearsalGPT(
+            model_cfg, tp, recompute, t.seed, n_real_tokens=real_tokens, device="meta"
+        )
+        engine = Engine(
+            model, topology, tp, engine_config(config, topology.dp), list(model.blocks), device
+        )
+    build_s = time.perf_counter() - started
+    tracker.follow(engine)
+    built = tracker.categories("current")
+    generator = torch.Generator().manual_seed(t.seed + topology.dp_rank)
+
+    def batch() -> list[torch.Tensor]:
+        shape = (t.micro_batch_size, window + 1)
+        return [
+            torch.randint(0, real_tokens, shape, generator=generator)
+            for _ in range(engine.config.micro_batches)
+        ]
+
+    names = {
+        g.process_group.group_name: g.name
+        for g in (topology.tp_group, topology.dp_group)
+        if g.process_group is not None
+    }
+    trace = CollectiveTrace(names)
+    flops = FlopCount()
+    topology.counter.reset()
+    with tracker, flops, trace, warnings.catch_warnings():
+        # (Entering resets the tracker's peak to what is held now.) MemTracker's gradient
+        # hook also fires for parameters whose gradient the engine's hook has taken.
+        warnings.filterwarnings("ignore", message="Expected a tensor")
+        tick = time.perf_counter()
+        # launch.train.step.train_step, with a look at the model states after backward.
+        for inputs, targets in (split_batch(micro, device) for micro in batch()):
+            tracker.reset_mod_stats()  # MemTracker follows one pass of a module per reset
+            engine.backward(engine(inputs, targets))
+        after_backward = tracker.categories("current")
+        engine.step(t.lr)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first_s = time.perf_counter() - tick
+    peak = tracker.categories("peak")
+    counter = {f"{kind} {group}": n for (kind, group), n in topology.counter.bytes.items()}
+    allocator = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        allocator = torch.cuda.max_memory_allocated(device) - allocated
+    times = []
+    for _ in range(steps - 1):
+        tick = time.perf_counter()
+        train_step(engine, batch(), t.lr, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - tick)
+    return {
+        "topology": {
+            "world": topology.world_size,
+            "tp": topology.tp,
+            "dp": topology.dp,
+            "tp_rank": topology.tp_rank,
+            "dp_rank": topology.dp_rank,
+        },
+        "build_s": build_s,
+        "built": built,
+        "after_backward": after_backward,
+        "peak": peak,
+        "allocator_peak": allocator,
+        "first_step_s": first_s,
+        "step_s": statistics.median(times) if times else first_s,
+        "timed_steps": len(times),
+        "counted_flops": flops.flops,
+        "collectives": {
+            f"{kind} {group}": {
+                "calls": trace.calls[kind, group],
+                "bytes": trace.bytes[kind, group],
+            }
+            for kind, group in trace.calls
+        },
+        "sent": trace.sent_by_group(),
+        "counter_bytes": counter,
+    }
+
+
+def planned_categories(plan: Plan) -> dict[str, float]:
+    """The planner's peak moment in the measured categories (hybrid.instruments.engine_memory): the
+    model states split into parameters, gradients reduced so far and optimizer states;
+    stage 3's gathered buckets are parameters, not buffers, and the weight gradients
+    autograd holds (`Moment.autograd`) are autograd's, with the activations."""
+    moment, memory = plan.peak, plan.memory
+    assert moment is not None
+    gathered = moment.parameters if plan.layout.zero_stage == 3 else 0.0
+    params, optimizer = float(memory["parameters"] or 0), float(memory["optimizer"] or 0)
+    return {
+        "parameters": params + gathered,
+        "gradients": moment.model_states - params - optimizer,
+        "optimizer": optimizer,
+        "activations": moment.activations + moment.autograd,
+        "buffers": moment.buffers - gathered - moment.autograd,
+        "total": moment.total,
+    }
+
+
+def _ratio(measured: float, planned: float) -> float | None:
+    return measured / planned if planned else (1.0 if measured == 0 else None)
+
+
+def compare(
+    request: Request, plan: Plan, measured: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """The measurements next to the planner's figures, each with measured / planned."""
+    config = request.config
+    model_cfg, _ = model_config(config)
+    window = config.train.seq_len or model_cfg.seq_len
+    layout = plan.layout
+    expected = planned_categories(plan)
+    memory = {
+        name: {
+            "measured": measured["peak"][name],
+            "planned": expected[name],
+            "ratio": _ratio(measured["peak"][name], expected[name]),
+        }
+        for name in (*CATEGORIES, "total")
+    }
+    # FLOPs this rank executes in one step, as the planner counts them (recomputation's
+    # extra forward included): its compute time at 1 FLOP/s. Then the rate measured.
+    step_flops = (planned(request, Hardware(peak_flops=1.0, efficiency=1.0)).time or {})[
+        "compute_s"
+    ]
+    rate = step_flops / measured["step_s"]
+    at_rate = planned(request, Hardware(peak_flops=rate, efficiency=1.0)).time or {}
+    communication = {
+        group: {
+            "measured": measured["sent"].get(group, 0.0),
+            "planned": plan.communication[f"{group}_bytes"] or 0.0,
+            "ratio": _ratio(
+                measured["sent"].get(group, 0.0), plan.communication[f"{group}_bytes"] or 0.0
+            ),
+        }
+        for group in ("dp", "tp")
+    }
+    return {
+        "config": request.name,
+        "model": Model(request.name, model_cfg, window).describe(),
+        "world": request.world,
+        "rank": request.rank,
+        **measured["topology"],
+        "layout": layout.describe(),
+        "precision": layout.precision,
+        "device": str(device),
+        "peak_moment": plan.peak.name if plan.peak else None,
+        "memory": memory,
+        "built": measured["built"],
+        "after_backward": measured["after_backward"],
+        "allocator_peak": measured["allocator_peak"],
+        "time": {
+            "build_s": measured["build_s"],
+            "first_step_s": measured["first_step_s"],
+            "step_s": measured["step_s"],
+            "timed_steps": measured["timed_steps"],
+            "flops": step_flops,
+            "counted_flops": measured["counted_flops"],
+            "flops_ratio": _ratio(measured["counted_flops"], step_flops),
+            "tflops": rate / 1e12,
+            "planned": {k: v for k, v in at_rate.items() if k != "mfu"},
+        },
+        "communication": communication,
+        "collectives": measured["collectives"],
+        "counter_bytes": measured["counter_bytes"],
+    }
