@@ -29,9 +29,9 @@ from typing import Any
 
 from hybrid.memory import parse_bytes
 from launch.config import ConfigError
-from launch.plan import PlanError, read_config
 from launch.planning.memory_check import format_bytes, local_device
 from launch.planning.rehearsal import RehearsalError, Request, rehearse, with_layers
+from launch.planning.search import PlanError, read_config
 from launch.train.entry import one_line
 
 

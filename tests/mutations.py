@@ -288,7 +288,7 @@ MUTATIONS = [
     Mutation(
         "skip the all-reduce of the first bad checkpoint file",
         "hybrid/checkpoint/folders.py",
-        "        first_bad = _min_over_ranks(first_bad)",
+        "        first_bad = _min_over_ranks(first_bad, among)",
         "        pass",
         ("tests/test_resume_verify.py::test_an_altered_file_is_named_alike_on_every_rank",),
     ),
@@ -313,7 +313,7 @@ MUTATIONS = [
     Mutation(
         "the command line resumes without hashing after start-up",
         "launch/train/entry.py",
-        "        resume = verify_resume(config, candidate)",
+        "        resume = verify_resume(config, candidate, env.world)",
         "        resume = candidate",
         (
             "tests/test_resume_verify.py::test_the_command_line_hashes_after_start_up_and_names_the_file",

@@ -48,7 +48,8 @@ from hybrid.memory import (
 from hybrid.tensor_parallel import TensorParallel, TPRandom
 from hybrid.zero.bucket import max_bucket_numel
 from launch.config import PRESET_DIR, load_config
-from launch.plan import GPT2_TOKENS, main
+from launch.plan import main
+from launch.planning.search import GPT2_TOKENS
 from launch.train.loop import engine_config
 from models.gpt import GPT, count_parameters, pad_vocab_size
 from models.gpt.accounting import rank_parameters, transformer_shape

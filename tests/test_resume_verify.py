@@ -26,6 +26,7 @@ from small_run import TINY_CONFIG
 
 from hybrid.checkpoint.engine_state import load_checkpoint, save_checkpoint
 from hybrid.checkpoint.folders import check_checksums
+from hybrid.distributed.comm import Group
 from hybrid.distributed.env import init_distributed, shutdown
 from hybrid.instruments.local_processes import run_processes
 from launch.config import ConfigError, load_config, to_dict, valid_keys
@@ -180,7 +181,7 @@ def test_alone_a_process_hashes_every_file_itself(
     folder = root / "step_00000001"  # unaltered
     records = sum(_size(r) for r in (folder / "checksums").glob("rank*.json"))
     listed = [folder / ".metadata", *folder.glob("*.distcp"), *folder.glob("rng/*.pt")]
-    _, read = _counted(lambda: check_checksums(folder, among_ranks=True))
+    _, read = _counted(lambda: check_checksums(folder, among=Group.whole_job()))
     assert 0 <= read - (sum(_size(f) for f in listed) + records) <= SLACK
 
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from hybrid.checkpoint.raw import RawReadMixin
+from hybrid.distributed.comm import Group
 
 STATE_FILE = "trainer_state.json"
 TRASH = ".trash-"  # checkpoints past `keep`, renamed, then deleted in a thread
@@ -178,18 +179,16 @@ def check_listed_files(path: Path) -> None:
             raise CheckpointError(f"checkpoint file {file} is missing (listed in {record})")
 
 
-def check_checksums(path: Path, among_ranks: bool = False) -> None:
+def check_checksums(path: Path, among: Group | None = None) -> None:
     """CheckpointError naming the first file (in name order) whose checksum differs from
     the one recorded at save time (checkpoints written before checksums existed pass).
 
-    Alone, this process hashes every file. With `among_ranks` in a process group (every
-    rank calls, before anything loads), each rank hashes only its share, about 1/world
-    of the bytes (`hashing_share`), and one all-reduce (MIN) of the position of the first
+    Alone (`among=None`), this process hashes every file. `among` a group of ranks (every
+    one calls, before anything loads), each rank hashes only its share, about 1/size of
+    the bytes (`hashing_share`), and one all-reduce (MIN) of the position of the first
     bad file each rank found tells every rank the same file: all raise the same error."""
     files = recorded_checksums(path)
-    rank, world = 0, 1
-    if among_ranks and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = (0, 1) if among is None else (among.rank, among.size)
     # 2 * position for a file that differs, + 1 if it cannot be read; 2 * len: all good.
     first_bad = 2 * len(files)
     for position in hashing_share([_size(file) for file, _, _ in files], rank, world):
@@ -202,8 +201,8 @@ def check_checksums(path: Path, among_ranks: bool = False) -> None:
         if not same:
             first_bad = 2 * position
             break
-    if world > 1:
-        first_bad = _min_over_ranks(first_bad)
+    if among is not None:
+        first_bad = _min_over_ranks(first_bad, among)
     if first_bad == 2 * len(files):
         return
     file, _, record = files[first_bad // 2]
@@ -239,12 +238,12 @@ def _size(file: Path) -> int:
         return 0
 
 
-def _min_over_ranks(value: int) -> int:
-    """The smallest `value` of all ranks, on every rank (all ranks call)."""
-    on_gpu = dist.get_backend() == "nccl"
+def _min_over_ranks(value: int, group: Group) -> int:
+    """The smallest `value` of the group's ranks, on every one of them (all call)."""
+    on_gpu = group.size > 1 and dist.get_backend(group.process_group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
     flag = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    group.all_reduce(flag, op=dist.ReduceOp.MIN)
     return int(flag.item())
 
 

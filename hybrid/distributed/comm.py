@@ -68,6 +68,13 @@ class Group:
     def single(cls, name: str, counter: CollectiveCounter | None = None) -> Group:
         return cls(name, None, counter or CollectiveCounter())
 
+    @classmethod
+    def whole_job(cls, counter: CollectiveCounter | None = None) -> Group:
+        """Every rank of the job (the default process group), or this rank alone when
+        there is none: for agreements of the whole job (preemption, resume checks)."""
+        job = dist.is_initialized() and dist.get_world_size() > 1
+        return cls("world", dist.group.WORLD if job else None, counter or CollectiveCounter())
+
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
     ) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybrid.distributed.comm import Group
 from hybrid.distributed.host_memory import release_freed_memory
 
 
@@ -25,6 +26,11 @@ class DistributedEnv:
     world_size: int
     device: torch.device
     backend: str | None
+
+    @property
+    def world(self) -> Group:
+        """The whole job as a Group (before a Topology exists: resume verification)."""
+        return Group.whole_job()
 
     @property
     def is_main(self) -> bool:
@@ -83,11 +89,11 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 
 def barrier(env: DistributedEnv) -> None:
     if env.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=dist.group.WORLD)
 
 
 def shutdown(env: DistributedEnv) -> None:
     """Barrier before destroy: without it gloo processes can abort at exit (DESIGN.md 5)."""
     if env.world_size > 1 and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=dist.group.WORLD)
         dist.destroy_process_group()

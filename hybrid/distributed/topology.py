@@ -5,13 +5,15 @@ global rank = dp_rank * tp + tp_rank. With torchrun's node-major rank order, a T
 tp consecutive ranks and stays inside a node (its all-reduces need the fast links), while a
 DP group strides across nodes (ZeRO's reduce-scatter and all-gather tolerate slower links).
 
-One Topology is built per job and passed explicitly to whatever needs a group; there are
-no module-level process groups.
+One Topology is built per job and passed explicitly to whatever needs a group: its tp and
+dp groups, and `world` for what the whole job agrees on (preemption, peak memory). Every
+collective of the library goes through one of these Groups, so the CollectiveCounter sees
+it; there are no module-level process groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -43,6 +45,7 @@ class Topology:
     dp_group: Group
     counter: CollectiveCounter
     mesh: DeviceMesh | None  # None for a single process
+    world: Group = field(default_factory=lambda: Group.single("world"))
 
     @classmethod
     def build(cls, tp: int = 1, device_type: str = "cpu") -> Topology:
@@ -57,8 +60,19 @@ class Topology:
         rank = dist.get_rank()
         tp_group = Group("tp", mesh.get_group("tp") if tp > 1 else None, counter)
         dp_group = Group("dp", mesh.get_group("dp") if dp > 1 else None, counter)
+        world = Group.whole_job(counter)
         return cls(
-            world_size, tp, dp, rank, rank % tp, rank // tp, tp_group, dp_group, counter, mesh
+            world_size,
+            tp,
+            dp,
+            rank,
+            rank % tp,
+            rank // tp,
+            tp_group,
+            dp_group,
+            counter,
+            mesh,
+            world,
         )
 
     @classmethod

@@ -21,6 +21,7 @@ import resource
 import torch
 import torch.distributed as dist
 
+from hybrid.distributed.comm import Group
 from launch.planning.memory_check import format_bytes
 
 STATUS = "/proc/self/status"
@@ -58,10 +59,13 @@ def _reset_peak_rss() -> int:
 
 
 class PeakMemory:
-    """Bytes this rank's run has reached at most, above its baseline."""
+    """Bytes this rank's run has reached at most, above its baseline. `world`: the ranks
+    whose peaks `maxima` and `per_rank` compare (a run passes its topology's; default:
+    the whole job)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, world: Group | None = None) -> None:
         self.device = device
+        self.world = world if world is not None else Group.whole_job()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -95,19 +99,14 @@ class PeakMemory:
         value = torch.tensor(
             [self.local(), -1 if device is None else device], dtype=torch.int64, device=self.device
         )
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        self.world.all_reduce(value, op=dist.ReduceOp.MAX)
         local, device_max = (int(v) for v in value.tolist())
         return local, None if device is None else device_max
 
     def per_rank(self) -> list[int]:
         """Every rank's peak so far, by rank (all ranks must call)."""
         mine = torch.tensor([self.local()], dtype=torch.int64, device=self.device)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return [int(mine.item())]
-        every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(every, mine)
-        return [int(v) for v in every.tolist()]
+        return [int(v) for v in self.world.all_gather(mine).tolist()]
 
 
 def memory_summary(peaks: list[int], planned: int | None) -> str:

@@ -22,7 +22,7 @@ import torch
 from hybrid.engine import EngineConfig
 from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from launch.config import Config, ConfigError, validate, validate_layout
-from launch.plan import Model, layout_options, search
+from launch.planning.search import Model, layout_options, search
 from models.gpt import GPTConfig, pad_vocab_size
 
 # On CUDA the device also holds what the planner's terms do not see (CUDA context, NCCL

@@ -43,8 +43,8 @@ from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from launch.config import Config, ConfigError, validate_layout
-from launch.plan import GPT2_TOKENS, Model, layout_options
 from launch.planning.memory_check import format_bytes, run_model
+from launch.planning.search import GPT2_TOKENS, Model, layout_options
 from launch.train.entry import tokenizer_size
 from launch.train.loop import engine_config
 from launch.train.step import split_batch, train_step

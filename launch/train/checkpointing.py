@@ -26,6 +26,7 @@ from hybrid.checkpoint.folders import (
     find_latest,
 )
 from hybrid.checkpoint.saver import CheckpointWriter
+from hybrid.distributed.comm import Group
 from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine
 from hybrid.tensor_parallel import TensorParallel
@@ -61,12 +62,15 @@ def resume_candidate(config: Config) -> Path | None:
     return Path(resume)
 
 
-def verify_resume(config: Config, candidate: Path | None) -> Path | None:
+def verify_resume(
+    config: Config, candidate: Path | None, world: Group | None = None
+) -> Path | None:
     """The checkpoint to load: `candidate` once its files hash to their recorded checksums
     (verify=full; every rank calls, after the process group starts and before anything
     loads). Each file is hashed by one rank and one all-reduce per checkpoint tells all
     ranks the verdict, so with resume=auto they skip a damaged one alike, with a warning,
-    for the newest older one that checks out."""
+    for the newest older one that checks out. `world`: the ranks that share the hashing
+    (launch.train.entry passes the job's; default: the whole job)."""
     verify = config.checkpoint.verify
     if candidate is not None and verify == "none":
         _warn(
@@ -78,7 +82,7 @@ def verify_resume(config: Config, candidate: Path | None) -> Path | None:
     problems: list[str] = []
     while True:
         try:
-            check_checksums(candidate, among_ranks=True)
+            check_checksums(candidate, among=world or Group.whole_job())
             return candidate
         except CheckpointError as error:
             if config.checkpoint.resume != "auto":

@@ -110,7 +110,7 @@ def run(
     try:
         # Each file hashed by one rank, one all-reduce: every rank resumes from the same
         # checkpoint or raises the same error naming the same file.
-        resume = verify_resume(config, candidate)
+        resume = verify_resume(config, candidate, env.world)
         train(config, env, dp, resume)
         code = 0
     except ConfigError as error:  # found after start-up (e.g. the tokenizer's size): all ranks

@@ -179,7 +179,9 @@ def train(
     # straight into its bucket (stages 0-2) or shard (stage 3), so the model never exists
     # twice on a rank (a model built on the device, then copied, peaked at 2x parameters).
     device = "meta"
-    memory = PeakMemory(env.device)  # the baseline: what the run holds before its model
+    memory = PeakMemory(
+        env.device, topology.world
+    )  # the baseline: what the run holds before its model
     model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
     planned = planned_peak_bytes(config, model.config, env.world_size, env.device.type)
     # The planner's model FLOPs per token and the device's peak, for each step's MFU.

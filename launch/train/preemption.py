@@ -70,8 +70,7 @@ class Preemption:
         """True on every rank when any rank was signalled (all ranks must call); the step
         has ended, so a watchdog started by the signal stands down."""
         flag = torch.tensor([float(self.signalled)], device=device)
-        if dist.is_initialized() and topology.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        topology.world.all_reduce(flag, op=dist.ReduceOp.MAX)
         if self._watchdog is not None:
             self._watchdog.cancel()
         return bool(flag.item())
