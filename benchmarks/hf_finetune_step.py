@@ -50,7 +50,7 @@ def step_rank(folder: str, tp: int, stage: int, imported: bool) -> dict[str, Any
     from hybrid.tensor_parallel import TensorParallel
     from launch.finetune import read_finetune_config
     from launch.observe.peak_memory import PeakMemory
-    from launch.train.loop import build_model, engine_config
+    from launch.train.setup import build_model, engine_config
     from launch.train.step import train_step
 
     env = init_distributed()

@@ -17,17 +17,19 @@ ZeRO (Rajbhandari et al. 2020, section 5; DESIGN.md section 2), per DP group of 
 Buckets are the `units` (e.g. transformer layers) plus one for the remaining parameters.
 
 Memory layout: at stages 0-2 every parameter is a view into its bucket's flat buffer, so
-the optimizer steps on (a slice of) that buffer and the all-gather writes into it with no
-copy. Gradients are copied once, from autograd into the bucket's flat gradient buffer, and
-released. A bucket's buffer is opened at its first gradient in backward and, at every
-stage, gone after the step (stage 0 keeps it only from backward to the step), so like a
-plain loop with `zero_grad(set_to_none=True)` no gradient lives through forward. That
-buffer, the micro-batch sums, the DP reduction and the shards are fp32 by default under
-bf16 and fp16 (`grad_reduce_dtype`, as Megatron and DeepSpeed do), or the 16-bit compute
-dtype for half the traffic. In fp32 the fp32 master *is* the parameter
-shard: no second copy.
-Collectives are issued asynchronously from the hooks and waited for at the end of
-backward, so communication overlaps the rest of backward.
+the optimizer steps on (a slice of) it and the all-gather writes into it with no copy.
+A gradient is copied once, from autograd into its bucket's flat gradient buffer, opened at
+the bucket's first gradient and gone after the step at every stage, so (like a plain loop
+with `zero_grad(set_to_none=True)`) no gradient lives through forward. Under bf16/fp16
+that buffer and the DP reduction are fp32 by default (`grad_reduce_dtype`); in fp32 the
+master *is* the parameter shard. DP reductions are issued asynchronously from the hooks:
+stage 0 waits at the end of backward; stages 1-3 wait, in each bucket's hook, for the one
+issued a bucket earlier (at most two full buffers in flight, ZeRO 5.2). With sequence
+parallelism the TP all-reduce of replicated parameters' gradients runs in the hook first.
+
+Construction, in order: check the config (hybrid.engine_config), build the buckets,
+materialise their flat storage, make the optimizer on the shards, attach the gradient
+hooks, attach the stage's parameter hooks (gather at 3, publish at 1-2).
 """
 
 from __future__ import annotations
@@ -35,59 +37,29 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from hybrid.checkpoint.full_state import full_tensors
 from hybrid.distributed.comm import Handle
 from hybrid.distributed.topology import Topology
+from hybrid.engine_config import (
+    DTYPES,
+    GRAD_REDUCE_DTYPES,
+    EngineConfig,
+    StepStats,
+    check_engine_config,
+)
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.zero.accounting import model_state_bytes, nbytes, transient_bytes
 from hybrid.zero.bucket import build_buckets, max_bucket_numel
+from hybrid.zero.full_model import gathered_full_tensors
 from hybrid.zero.gather import ParameterGatherer
+from hybrid.zero.gradients import any_overflow, global_grad_norm, master_gradients
 from hybrid.zero.optimizer import make_adamw
 from hybrid.zero.publish import ParameterPublisher
 from hybrid.zero.state import materialise, replace_meta_parameters
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GRAD_REDUCE_DTYPES = ("fp32", "bf16")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    zero_stage: int = 0
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (dynamic loss scaling)
-    micro_batches: int = 1  # gradient accumulation steps per optimizer step
-    grad_clip: float = 0.0  # max global gradient norm; 0 = off
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    initial_loss_scale: float = 2.0**16
-    loss_scale_window: int = 1000  # good fp16 steps before the scale doubles
-    # Stages 0-2: consecutive units share a bucket up to this size (DDP's default cap), so
-    # a small model is reduced in few, large collectives. Stage 3 gathers unit by unit.
-    bucket_mb: float = 25.0
-    # Gradients' dtype from autograd's copy on: the flat buffers, the micro-batch sum, the
-    # DP reduction and the shards. "fp32" (Megatron's and DeepSpeed's default) sums bf16 or
-    # fp16 gradients without rounding each addition to 8 (or 11) mantissa bits; "bf16"
-    # keeps them in the 16-bit compute dtype (bf16 or fp16): half the reduction traffic.
-    # fp32 precision reduces in fp32 either way.
-    grad_reduce_dtype: str = "fp32"  # fp32 | bf16
-    # Stages 1-2: each bucket's parameter all-gather after the step is waited for just
-    # before the first forward that reads it (hybrid.zero.publish), so it overlaps the
-    # next forward; False waits for all of them in the step. Same values either way.
-    overlap_param_gather: bool = True
-
-
-@dataclass
-class StepStats:
-    grad_norm: float
-    skipped: bool
-    loss_scale: float
 
 
 class Engine:
@@ -100,16 +72,8 @@ class Engine:
         units: list[nn.Module] | None = None,
         device: torch.device | None = None,
     ) -> None:
-        if config.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={config.zero_stage} must be 0, 1, 2 or 3")
-        if config.precision not in DTYPES:
-            raise ValueError(f"precision={config.precision!r} must be one of {list(DTYPES)}")
+        check_engine_config(config)
         self.module, self.topology, self.tp, self.config = model, topology, tp, config
-        if config.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise ValueError(
-                f"grad_reduce_dtype={config.grad_reduce_dtype!r} must be one of "
-                f"{list(GRAD_REDUCE_DTYPES)}"
-            )
         self.dtype = DTYPES[config.precision]
         fp32_grads = config.grad_reduce_dtype == "fp32"
         self.grad_dtype = torch.float32 if fp32_grads else self.dtype
@@ -122,43 +86,64 @@ class Engine:
         self.loss_scale = config.initial_loss_scale if config.precision == "fp16" else 1.0
         self.good_steps = 0  # fp16 steps since the loss scale last changed (checkpointed)
         self._micro_step = 0
-
-        units = list(units or [])
-        sharded = self.stage >= 1
-        dp_size, dp_rank = (self.dp.size, self.dp.rank) if sharded else (1, 0)
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        max_numel = max_bucket_numel(self.stage, config.bucket_mb, element)
-        self.buckets = build_buckets(model, units, dp_size, dp_rank, max_numel)
-        model.to(self.dtype)  # buffers; parameters move into the buckets' flat tensors
-        self.states = [materialise(model, b, self.stage, self.dtype, device) for b in self.buckets]
-        replace_meta_parameters(model, self.buckets, self.states)
-        self._where = {
-            id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)
-        }
         self._pending: list[tuple[int, Handle, torch.Tensor, torch.Tensor]] = []
         self.peak_buffer_bytes = 0
         self.grad_bytes = 0  # gradient bytes held when the last backward ended
+
+        units = list(units or [])
+        self._build_buckets(units)
+        self._materialise()
         self.optimizer = make_adamw(
             self.states, self.buckets, config.weight_decay, config.betas, config.eps, self.device
         )
+        self._attach_gradient_hooks()
+        self._attach_parameter_hooks(units)
+
+    def _build_buckets(self, units: list[nn.Module]) -> None:
+        """The units' parameters in flat buckets (consecutive units share one up to
+        `bucket_mb` at stages 0-2), each with this rank's 1/dp shard at stages 1-3."""
+        sharded = self.stage >= 1
+        dp_size, dp_rank = (self.dp.size, self.dp.rank) if sharded else (1, 0)
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        max_numel = max_bucket_numel(self.stage, self.config.bucket_mb, element)
+        self.buckets = build_buckets(self.module, units, dp_size, dp_rank, max_numel)
+
+    def _materialise(self) -> None:
+        """Each bucket's flat storage on the device (a meta model is initialised here, shard
+        by shard at stage 3); the parameters become views into it, found by `_where`."""
+        model = self.module
+        model.to(self.dtype)  # buffers; parameters move into the buckets' flat tensors
+        dtype, device = self.dtype, self.device
+        self.states = [materialise(model, b, self.stage, dtype, device) for b in self.buckets]
+        replace_meta_parameters(model, self.buckets, self.states)
+        # After the replacement: a meta parameter's new Parameter is a new object.
+        self._where = {
+            id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)
+        }
+
+    def _attach_gradient_hooks(self) -> None:
+        """Every parameter's accumulated gradient goes to `_on_grad`."""
         # The hook holds the engine weakly: a parameter's hooks live where the garbage
         # collector cannot see them, so a strong reference would keep every engine (and
         # its shards) alive for as long as the model is, even after the engine is dropped.
         engine = weakref.ref(self)
-        for p in model.parameters():
+        for p in self.module.parameters():
             p.register_post_accumulate_grad_hook(lambda param: engine()._on_grad(param))
 
+    def _attach_parameter_hooks(self, units: list[nn.Module]) -> None:
+        """Stage 3 gathers each unit's parameters before its forward and backward and frees
+        them after (hybrid.zero.gather); stages 1-2 wait, before each unit's forward, for
+        the all-gather of its bucket that the step started (hybrid.zero.publish)."""
+        model, device = self.module, self.device
+        shards = [s.param_shard for s in self.states]
         self.gatherer: ParameterGatherer | None = None
         if self.stage == 3:
-            self.gatherer = ParameterGatherer(
-                self.buckets, [s.param_shard for s in self.states], self.dp, self.dtype, device
-            )
+            self.gatherer = ParameterGatherer(self.buckets, shards, self.dp, self.dtype, device)
             self.gatherer.hook(model, units)
         self.publisher: ParameterPublisher | None = None
         if self.stage in (1, 2):
-            self.publisher = ParameterPublisher(
-                [s.param_flat for s in self.states], [s.param_shard for s in self.states], self.dp
-            )
+            flats = [s.param_flat for s in self.states]
+            self.publisher = ParameterPublisher(flats, shards, self.dp)
             self.publisher.hook(model, units, lambda unit: self._bucket_of(unit))
 
     def _bucket_of(self, unit: nn.Module) -> int:
@@ -280,25 +265,15 @@ class Engine:
         self.wait_for_parameters()  # in fp32 the master stepped on is a gather's input
         if self.gatherer is not None:
             self.gatherer.check_idle()
-        grads = []
-        for state in self.states:
-            grad = state.grad_shard
-            if grad is None:  # nothing reduced into this bucket: zero gradient
-                grad = torch.zeros_like(state.master, dtype=self.grad_dtype)
-            if grad.dtype != torch.float32:
-                grad = grad.float()
-            if self.loss_scale != 1.0:  # fp16: unscaled in fp32, the shard's own if fp32
-                grad /= self.loss_scale
-            grads.append(grad)
-            for segment, view in state.master_segments:
-                view.grad = grad[segment.start : segment.end]
-            state.grad_shard = None
-        if self._overflow(grads):
+        grads = master_gradients(self.states, self.grad_dtype, self.loss_scale)
+        if self.config.precision == "fp16" and any_overflow(
+            grads, (self.dp, self.tp.group), self.device
+        ):
             self.loss_scale /= 2.0
             self.good_steps = 0
             self._release_gradients()
             return StepStats(float("nan"), True, self.loss_scale)
-        norm = self._grad_norm()
+        norm = global_grad_norm(self.states, self.stage, self.dp, self.tp.group, self.device)
         if not math.isfinite(norm):
             # A NaN or inf gradient anywhere (the norm is reduced over DP and TP, so every
             # rank sees it): no update, on every rank alike. The caller decides whether to
@@ -328,42 +303,6 @@ class Engine:
         for state in self.states:
             state.grad_flat = None
 
-    def _overflow(self, grads: list[torch.Tensor]) -> bool:
-        """Any non-finite gradient on any rank skips the step on every rank."""
-        if self.config.precision != "fp16":
-            return False
-        bad = torch.zeros(1, device=self.device)
-        for grad in grads:
-            bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float().reshape(1))
-        for group in (self.dp, self.tp.group):
-            group.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
-
-    def _grad_norm(self) -> float:
-        """Global L2 norm, each element once: DP shards are disjoint (stages 1-3; at stage 0
-        every DP rank holds the same full gradient), TP-split parameters are summed over TP,
-        replicated ones counted once."""
-        kinds = [
-            (segment.kind.split, view.grad)
-            for state in self.states
-            for segment, view in state.master_segments
-        ]
-        squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # (split, replicated)
-        for index, split in enumerate((True, False)):
-            grads = [grad for is_split, grad in kinds if is_split == split]
-            if grads:
-                norms = torch.stack(torch._foreach_norm(grads)).double()
-                squares[index] = norms.square().sum()
-        if self.stage >= 1:
-            self.dp.all_reduce(squares)
-        # The replicated part is the same on every TP rank unless it is not finite on one:
-        # its non-finite flag rides along, so every rank returns the same (NaN) norm.
-        bad = (~torch.isfinite(squares[1:])).double()
-        split_part = self.tp.group.all_reduce(torch.cat([squares[:1], bad]))
-        if split_part[1] > 0:
-            return float("nan")
-        return float((split_part[0] + squares[1]).sqrt())
-
     def publish_masters(self) -> None:
         """Write the updated fp32 master into the parameters' shard (the same memory in
         fp32), then all-gather the shards at stages 1-2 (hybrid.zero.publish: waited for
@@ -384,20 +323,16 @@ class Engine:
         if self.publisher is not None:
             self.publisher.wait_all()
 
-    # ---- the full model (hybrid.checkpoint.full_state)
-    # ------------------------------------------------
-
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tp=1 tensor) for every parameter, one bucket gathered at a time; every
-        rank must run it to the end (hybrid.checkpoint.full_state.full_tensors)."""
-        return full_tensors(self)
+        rank must run it to the end (hybrid.zero.full_model.gathered_full_tensors)."""
+        self.wait_for_parameters()  # stages 1-2: the step's gathers may still be in flight
+        yield from gathered_full_tensors(self.module, self.buckets, self.gatherer, self.tp)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as the tp=1, dp=1 model has it, copied: the whole model on every
         rank, for tests and one-process tools. A run's own output streams `full_tensors`."""
-        return {name: tensor.clone() for name, tensor in full_tensors(self)}
-
-    # ---- accounting (hybrid.zero.accounting) --------------------------------------------
+        return {name: tensor.clone() for name, tensor in self.full_tensors()}
 
     def _note_buffers(self) -> None:
         """Track the peak bytes of transient communication buffers."""
@@ -408,3 +343,6 @@ class Engine:
         """This rank's model-state bytes, counted from its tensors (see
         hybrid.zero.accounting.model_state_bytes)."""
         return model_state_bytes(self.states, self.grad_bytes, self.peak_buffer_bytes)
+
+
+__all__ = ["DTYPES", "GRAD_REDUCE_DTYPES", "Engine", "EngineConfig", "StepStats"]

@@ -4,6 +4,9 @@ send, at one layout, to compare with launch.plan's predictions."""
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
+from contextlib import redirect_stdout
 from typing import Any
 
 import torch
@@ -17,6 +20,7 @@ from hybrid.engine import Engine, EngineConfig
 from hybrid.memory import activation_bytes
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
+from launch.plan import main
 from models.gpt import GPT, GPTConfig
 from models.gpt.accounting import transformer_shape
 
@@ -205,3 +209,11 @@ def measure_all() -> dict[str, list[dict[str, Any]]]:
         return {"steps": steps, "activations": measured}
     finally:
         shutdown(env)
+
+
+def run_plan(args: list[str]) -> dict:
+    """`launch.plan ARGS --json`, run in this process; its report."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([*args, "--json"]) == 0
+    return json.loads(out.getvalue())

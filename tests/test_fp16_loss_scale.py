@@ -19,6 +19,7 @@ import zero_cases
 from small_run import TINY_CONFIG, small_run_overrides
 
 import launch.train.loop
+import launch.train.setup
 from hybrid.distributed.env import init_distributed, shutdown
 from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine, EngineConfig
@@ -70,7 +71,7 @@ def test_resumed_run_restores_the_saved_loss_scale(
     (after step 4: four good steps in a row), so the count of good steps since the last
     change is restored too, not restarted at zero."""
     monkeypatch.setattr(
-        launch.train.loop,
+        launch.train.setup,
         "EngineConfig",
         functools.partial(EngineConfig, initial_loss_scale=1024.0, loss_scale_window=2),
     )

@@ -32,8 +32,8 @@ from benchmarks.compare.common import (
     global_batches,
     local_batch,
 )
-from benchmarks.compare.ours import OursTrainer
-from benchmarks.compare.plain import PlainTrainer
+from benchmarks.compare.peers.ours import OursTrainer
+from benchmarks.compare.peers.plain import PlainTrainer
 
 BENCH = BenchConfig(
     n_layer=4, n_head=4, d_model=64, seq_len=32, global_batch=4, steps=1, bucket_mb=0.1

@@ -29,14 +29,14 @@ from .metrics import PeakMeter
 # system -> (module, trainer class); imported on demand so that only DeepSpeed's own jobs
 # import DeepSpeed (its import alone costs seconds and memory).
 RUNNERS = {
-    "ours": ("ours", "OursTrainer"),
-    "plain": ("plain", "PlainTrainer"),
-    "floor": ("plain", "PlainTrainer"),
-    "ddp": ("torch_peers", "TorchTrainer"),
-    "fsdp2": ("torch_peers", "TorchTrainer"),
-    "dtensor_tp": ("torch_peers", "TorchTrainer"),
-    "fsdp2_tp": ("torch_peers", "TorchTrainer"),
-    "deepspeed": ("deepspeed_peer", "DeepSpeedTrainer"),
+    "ours": ("peers.ours", "OursTrainer"),
+    "plain": ("peers.plain", "PlainTrainer"),
+    "floor": ("peers.plain", "PlainTrainer"),
+    "ddp": ("peers.torch_peers", "TorchTrainer"),
+    "fsdp2": ("peers.torch_peers", "TorchTrainer"),
+    "dtensor_tp": ("peers.torch_peers", "TorchTrainer"),
+    "fsdp2_tp": ("peers.torch_peers", "TorchTrainer"),
+    "deepspeed": ("peers.deepspeed_peer", "DeepSpeedTrainer"),
 }
 
 

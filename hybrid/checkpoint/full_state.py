@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybrid.tensor_parallel import parameter_shards
-from hybrid.tensor_parallel.shards import full_shape, gather_full
+from hybrid.tensor_parallel.shards import full_shape
 
 if TYPE_CHECKING:
     from hybrid.engine import Engine
@@ -53,24 +53,6 @@ def full_tensor_layout(engine: Engine) -> TensorLayout:
         for bucket in engine.buckets
         for name, shape in zip(bucket.names, bucket.shapes, strict=True)
     ]
-
-
-def full_tensors(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tp=1 tensor) for every parameter, bucket by bucket. Every rank must run the
-    iterator to its end (it gathers over DP and TP). A yielded tensor may be a view of a
-    buffer that is freed once the iterator moves on: copy or write it before then."""
-    specs = parameter_shards(engine.module)
-    engine.wait_for_parameters()  # stages 1-2: the step's gathers may still be in flight
-    gatherer = engine.gatherer
-    for index, bucket in enumerate(engine.buckets):
-        if gatherer is not None:
-            gatherer.gather(index)
-        try:
-            for name, param in zip(bucket.names, bucket.params, strict=True):
-                yield name, gather_full(param.detach(), specs.get(name), engine.tp.group)
-        finally:
-            if gatherer is not None:
-                gatherer.free(index)
 
 
 def write_safetensors(

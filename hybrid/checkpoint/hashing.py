@@ -1,5 +1,5 @@
 """The checkpoint writer (hybrid.checkpoint.raw.RawWriter), hashing each shard file
-(xxh3, hybrid.checkpoint.folders.CHECKSUM) as it writes it.
+(xxh3, hybrid.checkpoint.layout.CHECKSUM) as it writes it.
 
 A checkpoint records the checksum of every file it writes, so that resume can name an
 altered one (hybrid.checkpoint.folders). Hashing the files after writing them read every
@@ -28,7 +28,7 @@ from typing import Any
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from hybrid.checkpoint.folders import CHECKSUM
+from hybrid.checkpoint.layout import CHECKSUM
 from hybrid.checkpoint.raw import RawWriter
 
 COPY_BELOW = 1 << 16  # bytes: buffers this small are copied (and gathered) to be hashed

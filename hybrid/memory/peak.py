@@ -2,80 +2,10 @@
 largest of those moments, which is what an allocator's high-water mark measures
 (`torch.cuda.max_memory_allocated`; on CPU `torch.distributed._tools.mem_tracker`).
 
-Each moment adds three kinds of bytes, each alive then by the engine's code
-(hybrid.engine, hybrid.zero, models/gpt, hybrid.recompute):
-- model states: ZeRO's (Rajbhandari et al. 2020, arXiv 1910.02054, section 5): the
-  parameters (flat buffers at stages 0-2, shards at 3), fp32 master and Adam moments, the
-  gradients of the step so far: stage 0's full buffers opened by backward (each bucket's
-  at its first gradient, kept to the step, released by it) and the shards reduced so far
-  at 1-3;
-- activations: what autograd keeps (Korthikanti et al. 2022, arXiv 2205.05198, section 4,
-  hybrid.memory.activations) for the layers not yet back-propagated, and the transients
-  of the operation running then;
-- buffers: stage 3's gathered buckets, gradient buckets being filled or reduced, the
-  output layer's weight gradient, the optimizer step's fp32 gradients.
-
-The moments, for the last micro-batch of a step (earlier ones hold less: the last one
-carries the gradients of all before it):
-- forward, layer l: activations of the layers before l and all of layer l's; at stage 3
-  the root bucket, unit l and unit l + 1 (prefetched) gathered (hybrid.zero.gather);
-- forward, loss: every layer's activations, the final norm's and the output layer's
-  input, and the cross-entropy's working set on this rank's logits: the logits and the
-  one fp32 buffer that becomes the softmax in place (e + 4 bytes per logit; 8 in fp32);
-  stage 3 holds the root bucket through the whole forward;
-- backward, loss: the saved softmax turned into its gradient in place, and that gradient
-  cast to the logits' dtype (4 + e bytes per logit; 4 in fp32); stage 3 gathers the root
-  bucket and prefetches the last unit as backward starts;
-- backward, output layer: the logits' gradient and the output weight's gradient (held
-  by autograd until the embedding's part is added when the embeddings are tied);
-- backward, layer l (from the last): activations of layers <= l (a fully recomputed
-  layer all of them again), the residual stream's gradient and the MLP projection's
-  input and weight gradients (the layer's largest transient); at stages 1-3 the gradient
-  buffers of the root bucket (opened by the final norm) and of l's bucket, and the
-  reduction in flight, a full buffer and its shard (hybrid.engine._reduce waits for it
-  one bucket later, so at most two are in flight, ZeRO section 5.2); at stage 3 the root
-  bucket, unit l and unit l - 1 (prefetched) gathered;
-- backward, bucket k reduced: its shard output joins while the previous reduction is
-  waited for;
-- backward, embedding: the embedding's weight gradient next to the output layer's and,
-  tied, their sum (autograd adds them out of place); then the root bucket's reduction
-  with the first unit's still in flight;
-- optimizer step: every gradient shard (stage 0: the full buffer) cast to fp32 when
-  reduced in bf16 or fp16 (`grad_reduce_dtype="bf16"`), all alive until the step returns;
-  fp32 shards are stepped on as they are; fused AdamW, the global norm and stages 1-2's
-  all-gather work in place.
-
-Gradient buffers, carried gradients, reductions in flight and gloo's copies of their
-inputs are counted at the gradient element (4 bytes when reduced in fp32, the default);
-parameters, gathered buckets and activations at the parameter element.
-
-Which moment is the peak, and why (each seen in tests/test_plan_instrument.py):
-- when the activations dominate, at every stage the loss: every activation is alive and
-  the cross-entropy's working set comes on top (e + 4 bytes per logit in forward and in
-  backward in bf16; in fp32 forward holds 4 more, so the forward's loss);
-- stage 0 otherwise: the last layer's backward (all activations but the output's, the
-  tied output weight's gradient, the layer's transients), or in mixed precision the
-  optimizer step (4 Psi of fp32 gradients over 16 Psi of model states);
-- stages 1-2 otherwise: the end of backward (the root bucket's reduction issued while
-  the last unit bucket's, up to `bucket_mb`, is waited for) or the last layer's backward
-  (that bucket's buffer open over nearly all activations);
-- stage 3 otherwise: the backward of the last layers, with nearly all activations
-  alive, three buckets gathered (root, current, prefetched) and two gradient buffers
-  open.
-
-`backend="gloo"` (CPU) adds what torch 2.13's ProcessGroupGloo allocates where
-hybrid.distributed.comm uses gloo's own collectives: a copy of a reduce-scatter's input (groups of
-more than two ranks) and a staging buffer for stage 3's all-gathers' output, from the
-call until its wait (NCCL needs none; measured with peak RSS: +30 MiB for a 28 MiB bucket
-either way). It is made inside the collective, so a tracker of torch's operations
-(MemTracker) sees it only once it is waited for; `Moment.seen` is a moment without what
-such a tracker cannot see. The pairwise exchanges hybrid.distributed.comm runs instead (the
-reduce-scatter in a group of two, stages 1-2's all-gathers: hybrid.distributed.pairwise) write into
-the engine's own buffers and allocate nothing.
-
-Not counted (each under 1% of a layer at h >= 64): norm statistics, token ids, the
-loss's index tensors, the Adam step counters. The reserve (CUDA context, NCCL, allocator
-fragmentation) is not a moment of the step; hybrid.memory.planner adds it.
+Each moment adds model states (ZeRO, arXiv 1910.02054 section 5), activations (arXiv
+2205.05198 section 4, hybrid.memory.activations) and buffers (gathered buckets, gradient
+buckets filled or reduced, gloo's copies). `peak.md` beside this file lists every moment,
+what is alive at each and why, which one is the peak per stage, and what is not counted.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ communication buffers. The `peak` is not their sum: it is the largest moment of 
 training step (hybrid.memory.peak), model states plus activations plus transient
 buffers as they are alive together (activations peak around the loss, gradient buffers
 at the end of backward, stage 3's gathered buckets in the last layers' backward).
-`total` is the peak plus a reserve for what no moment of the step holds (CUDA context,
-NCCL buffers, allocator fragmentation): what must fit in the GPU. An allocator's
-high-water mark (`torch.cuda.max_memory_allocated`, on CPU MemTracker) measures `peak`.
+`total` adds a reserve no moment holds (CUDA context, NCCL, fragmentation): what must fit.
+An allocator's high-water mark (`torch.cuda.max_memory_allocated`, MemTracker) is `peak`.
 
 The step time is compute plus the communication that is not hidden:
 - compute: the FLOPs of a step (6 x parameters x tokens plus attention, Narayanan et al.

@@ -19,11 +19,13 @@ manifest.json:
 has one entry per shard, in the same order. The shards read as one token sequence, in
 manifest order; a document may run on from one shard into the next.
 
-`write_token_shards` writes such a folder from arrays (one per document), streaming: only
-the current array is in memory. `TokenShards` reads it back as a read-only 1-D sequence
-over memory-mapped shards: `len()`, and `tokens[a:b]` across shard boundaries, which is a
-lazy view (O(1) memory, as numpy's slices are); `np.asarray(view)` reads its tokens. So a
-rank holds no more than the windows it asks for, whatever the corpus size.
+`write_token_shards` (launch.data.shard_writer, re-exported here) writes such a folder
+from arrays (one per document), streaming: only the current array is in memory; the
+format's names and the manifest's check are launch.data.shard_format's. `TokenShards`
+reads it back as a read-only 1-D sequence over memory-mapped shards: `len()`, and
+`tokens[a:b]` across shard boundaries, which is a lazy view (O(1) memory, as numpy's
+slices are); `np.asarray(view)` reads its tokens. So a rank holds no more than the
+windows it asks for, whatever the corpus size.
 
 Opening checks what is cheap every time (the manifest, each shard's presence and size,
 the vocabulary against the model's tokenizer) and, once, what needs a read of every byte:
@@ -35,139 +37,21 @@ sizes and modification times, and later opens of the same unchanged folder skip 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-from array import array
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
 
-FORMAT = "hybrid-token-shards/1"
-MANIFEST = "manifest.json"
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+from launch.data.shard_format import DTYPES, MANIFEST, Shard, _read_manifest
+from launch.data.shard_writer import write_token_shards
+
 SCAN_BYTES = 4 << 20  # the scan's read buffer: its memory, whatever the corpus size
-
-
-@dataclass(frozen=True)
-class Shard:
-    file: str
-    n_tokens: int
-    xxh3: str
 
 
 def is_token_shards(folder: Path) -> bool:
     """True when `folder` is (meant to be) a token-shard folder: it holds a manifest.json."""
     return (Path(folder) / MANIFEST).is_file()
-
-
-def write_token_shards(
-    folder: str | Path,
-    arrays: np.ndarray | Iterable[np.ndarray],
-    dtype: str = "uint16",
-    vocab_size: int = 50257,
-    tokens_per_shard: int = 1 << 28,
-    documents: bool = True,
-) -> Path:
-    """Write `arrays` (one 1-D integer array per document, or a single array) to a new
-    token-shard folder and return the manifest's path.
-
-    Streaming: each array is checked (ids in [0, vocab_size)), converted and appended to
-    the current shard, split across shards at `tokens_per_shard`. Files are written under
-    temporary names and renamed when complete; the manifest comes last, so a folder with a
-    manifest is always whole.
-    """
-    folder = Path(folder)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    limit = np.iinfo(DTYPES[dtype]).max + 1
-    if not 0 < vocab_size <= limit:
-        raise ValueError(f"vocab_size {vocab_size} does not fit {dtype} (1..{limit}); use uint32")
-    if tokens_per_shard < 1:
-        raise ValueError(f"tokens_per_shard must be positive, not {tokens_per_shard}")
-    if (folder / MANIFEST).exists():
-        raise ValueError(f"{folder} already holds a {MANIFEST}; write to a new folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(folder, DTYPES[dtype], tokens_per_shard, documents)
-    for number, tokens in enumerate([arrays] if isinstance(arrays, np.ndarray) else arrays):
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-            raise ValueError(f"array {number}: expected 1-D integer token ids, got {tokens.dtype}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-            bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
-            raise ValueError(
-                f"array {number}, offset {bad[0]}: token id {tokens[bad[0]]} is outside "
-                f"the vocabulary [0, {vocab_size})"
-            )
-        writer.add(tokens.astype(DTYPES[dtype], copy=False))
-    shards, docs = writer.close()
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "dtype": dtype,
-        "vocab_size": int(vocab_size),
-        "shards": [vars(s) for s in shards],
-    }
-    if documents:
-        manifest["documents"] = docs
-    temporary = folder / f"{MANIFEST}.tmp{os.getpid()}"
-    temporary.write_text(json.dumps(manifest, indent=1))
-    temporary.replace(folder / MANIFEST)
-    return folder / MANIFEST
-
-
-class _ShardWriter:
-    """Appends documents to numbered shard files, hashing as it writes."""
-
-    def __init__(self, folder: Path, dtype: np.dtype, per_shard: int, documents: bool) -> None:
-        self.folder, self.dtype, self.per_shard, self.documents = (
-            folder,
-            dtype,
-            per_shard,
-            documents,
-        )
-        self.shards: list[Shard] = []
-        self.docs: list[dict[str, Any]] = []
-        self.file: Any = None
-
-    def add(self, tokens: np.ndarray) -> None:
-        if self.file is None or self.filled == self.per_shard:
-            self._next_shard()
-        if self.documents:
-            self.starts.append(self.filled)  # a document, even an empty one, starts here
-        while tokens.size:
-            if self.filled == self.per_shard:
-                self._next_shard()
-            piece, tokens = np.split(tokens, [self.per_shard - self.filled])
-            data = memoryview(np.ascontiguousarray(piece)).cast("B")
-            self.file.write(data)
-            self.digest.update(data)
-            self.filled += piece.size
-
-    def close(self) -> tuple[list[Shard], list[dict[str, Any]]]:
-        if self.file is not None:
-            self._finish_shard()
-        if not any(shard.n_tokens for shard in self.shards):
-            raise ValueError(f"{self.folder}: the arrays hold no tokens; nothing to write")
-        return self.shards, self.docs
-
-    def _next_shard(self) -> None:
-        if self.file is not None:
-            self._finish_shard()
-        self.name = f"shard-{len(self.shards):05d}"
-        self.file = open(self.folder / f"{self.name}.bin.tmp", "wb")  # noqa: SIM115 (closed in _finish_shard)
-        self.digest, self.filled, self.starts = xxhash.xxh3_64(), 0, array("Q")
-
-    def _finish_shard(self) -> None:
-        self.file.close()
-        (self.folder / f"{self.name}.bin.tmp").replace(self.folder / f"{self.name}.bin")
-        self.shards.append(Shard(f"{self.name}.bin", self.filled, self.digest.hexdigest()))
-        if self.documents:
-            starts = np.frombuffer(self.starts, dtype=np.uint64).astype("<u8")
-            starts.tofile(self.folder / f"{self.name}.docs")
-            self.docs.append({"file": f"{self.name}.docs", "n_documents": len(starts)})
 
 
 class TokenShards:
@@ -323,47 +207,4 @@ class TokenShards:
         return stamp_dir / "shard-scans" / key.hexdigest()[:24]
 
 
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest, checked for our format and its fields; one-line ValueError if not."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise ValueError(
-            f"{folder}: no {MANIFEST}; a token-shard folder needs one (see launch/data/shards.py)"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(
-            f"{path} is unreadable ({error}); re-write it with write_token_shards"
-        ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ValueError(
-            f"{path}: format is {found!r}, not {FORMAT!r}; not a hybrid token-shard manifest"
-        )
-    problem = None
-    if manifest.get("dtype") not in DTYPES:
-        problem = f"dtype {manifest.get('dtype')!r} is not one of {', '.join(DTYPES)}"
-    elif not isinstance(manifest.get("vocab_size"), int) or manifest["vocab_size"] < 1:
-        problem = f"vocab_size {manifest.get('vocab_size')!r} is not a positive integer"
-    elif not isinstance(manifest.get("shards"), list):
-        problem = "'shards' is not a list"
-    else:
-        for i, shard in enumerate(manifest["shards"]):
-            if not (
-                isinstance(shard, dict)
-                and {"file", "n_tokens", "xxh3"} <= set(shard)
-                and isinstance(shard["file"], str)
-                and isinstance(shard["n_tokens"], int)
-                and shard["n_tokens"] >= 0
-            ):
-                problem = f"shard {i} is not {{file, n_tokens >= 0, xxh3}}: {shard!r}"
-                break
-        documents = manifest.get("documents")
-        if problem is None and documents is not None and len(documents) != len(manifest["shards"]):
-            problem = (
-                f"'documents' has {len(documents)} entries for {len(manifest['shards'])} shards"
-            )
-    if problem:
-        raise ValueError(f"{path} is unreadable: {problem}; re-write it with write_token_shards")
-    return manifest
+__all__ = ["TokenShards", "is_token_shards", "write_token_shards"]

@@ -28,8 +28,6 @@ import hashlib
 import statistics
 import time
 import warnings
-from argparse import Namespace
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,26 +35,25 @@ import torch
 from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine
 from hybrid.instruments.dispatch_counters import CollectiveTrace, FlopCount
-from hybrid.instruments.engine_memory import CATEGORIES, EngineMemoryTracker
+from hybrid.instruments.engine_memory import EngineMemoryTracker
 from hybrid.instruments.fake_world import fake_world
-from hybrid.memory import Hardware, Layout, Plan, parse_bytes
+from hybrid.memory import Plan
 from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from launch.config import Config, ConfigError, validate_layout
-from launch.planning.memory_check import format_bytes, run_model
-from launch.planning.search import GPT2_TOKENS, Model, layout_options
-from launch.train.entry import tokenizer_size
-from launch.train.loop import engine_config
+from launch.planning.memory_check import format_bytes
+from launch.planning.rehearsal_report import compare
+from launch.planning.rehearsal_request import (
+    RESERVE,
+    RehearsalError,
+    Request,
+    model_config,
+    planned,
+    with_layers,
+)
+from launch.train.setup import engine_config
 from launch.train.step import split_batch, train_step
-from models.gpt import GPT, GPTConfig
-
-# Kept free beside the planned peak: the process itself (torch's libraries, the CUDA
-# context on a GPU), as launch.plan's default --reserve.
-RESERVE = parse_bytes("1GiB")
-
-
-class RehearsalError(ValueError):
-    """A rehearsal that cannot run; the message names the numbers and the fix."""
+from models.gpt import GPT
 
 
 class RehearsalGPT(GPT):
@@ -72,52 +69,6 @@ class RehearsalGPT(GPT):
             generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
             out.add_(torch.randn(end - start, generator=generator), alpha=std)
         return out.to(param.dtype)
-
-
-@dataclass(frozen=True)
-class Request:
-    config: Config  # with --layers applied
-    name: str  # the preset or file
-    world: int
-    rank: int
-    steps: int = 2
-    memory_limit: int | None = None  # None: this machine's free memory
-
-
-def with_layers(config: Config, layers: int | None) -> Config:
-    """The config with only `layers` transformer layers, at full width."""
-    if layers is None:
-        return config
-    if not 1 <= layers <= config.model.n_layer:
-        raise RehearsalError(
-            f"--layers {layers} must be between 1 and the model's {config.model.n_layer}"
-        )
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, n_layer=layers))
-
-
-def model_config(config: Config) -> tuple[GPTConfig, int]:
-    """The model this rank builds, its vocabulary sized from the tokenizer as a run sizes
-    it (launch.planning.memory_check.run_model), and the number of real token ids, among which the
-    synthetic tokens are drawn."""
-    n_tokens = GPT2_TOKENS if config.data.tokenizer == "gpt2" else tokenizer_size(config)
-    model = run_model(config, n_tokens)
-    return model, min(n_tokens, model.vocab_size or n_tokens)
-
-
-def planned(request: Request, hardware: Hardware | None = None, device_type: str = "cpu") -> Plan:
-    """The planner's plan of this rank's layout on `device_type`; collectives as NCCL's
-    (the fake group, like NCCL, allocates nothing of its own)."""
-    config = request.config
-    model, _ = model_config(config)
-    layout = Layout(gpus=request.world, **layout_options(config))
-    args = Namespace(
-        gpu_memory=None,
-        reserve=RESERVE,
-        hardware=hardware or Hardware(),
-        backend="nccl",
-        device_type=device_type,
-    )
-    return Model(request.name, model, config.train.seq_len or model.seq_len).plan(layout, args)
 
 
 def free_memory(device: torch.device) -> tuple[int, str]:
@@ -280,92 +231,4 @@ def measure(
         },
         "sent": trace.sent_by_group(),
         "counter_bytes": counter,
-    }
-
-
-def planned_categories(plan: Plan) -> dict[str, float]:
-    """The planner's peak moment in the measured categories (hybrid.instruments.engine_memory): the
-    model states split into parameters, gradients reduced so far and optimizer states;
-    stage 3's gathered buckets are parameters, not buffers, and the weight gradients
-    autograd holds (`Moment.autograd`) are autograd's, with the activations."""
-    moment, memory = plan.peak, plan.memory
-    assert moment is not None
-    gathered = moment.parameters if plan.layout.zero_stage == 3 else 0.0
-    params, optimizer = float(memory["parameters"] or 0), float(memory["optimizer"] or 0)
-    return {
-        "parameters": params + gathered,
-        "gradients": moment.model_states - params - optimizer,
-        "optimizer": optimizer,
-        "activations": moment.activations + moment.autograd,
-        "buffers": moment.buffers - gathered - moment.autograd,
-        "total": moment.total,
-    }
-
-
-def _ratio(measured: float, planned: float) -> float | None:
-    return measured / planned if planned else (1.0 if measured == 0 else None)
-
-
-def compare(
-    request: Request, plan: Plan, measured: dict[str, Any], device: torch.device
-) -> dict[str, Any]:
-    """The measurements next to the planner's figures, each with measured / planned."""
-    config = request.config
-    model_cfg, _ = model_config(config)
-    window = config.train.seq_len or model_cfg.seq_len
-    layout = plan.layout
-    expected = planned_categories(plan)
-    memory = {
-        name: {
-            "measured": measured["peak"][name],
-            "planned": expected[name],
-            "ratio": _ratio(measured["peak"][name], expected[name]),
-        }
-        for name in (*CATEGORIES, "total")
-    }
-    # FLOPs this rank executes in one step, as the planner counts them (recomputation's
-    # extra forward included): its compute time at 1 FLOP/s. Then the rate measured.
-    step_flops = (planned(request, Hardware(peak_flops=1.0, efficiency=1.0)).time or {})[
-        "compute_s"
-    ]
-    rate = step_flops / measured["step_s"]
-    at_rate = planned(request, Hardware(peak_flops=rate, efficiency=1.0)).time or {}
-    communication = {
-        group: {
-            "measured": measured["sent"].get(group, 0.0),
-            "planned": plan.communication[f"{group}_bytes"] or 0.0,
-            "ratio": _ratio(
-                measured["sent"].get(group, 0.0), plan.communication[f"{group}_bytes"] or 0.0
-            ),
-        }
-        for group in ("dp", "tp")
-    }
-    return {
-        "config": request.name,
-        "model": Model(request.name, model_cfg, window).describe(),
-        "world": request.world,
-        "rank": request.rank,
-        **measured["topology"],
-        "layout": layout.describe(),
-        "precision": layout.precision,
-        "device": str(device),
-        "peak_moment": plan.peak.name if plan.peak else None,
-        "memory": memory,
-        "built": measured["built"],
-        "after_backward": measured["after_backward"],
-        "allocator_peak": measured["allocator_peak"],
-        "time": {
-            "build_s": measured["build_s"],
-            "first_step_s": measured["first_step_s"],
-            "step_s": measured["step_s"],
-            "timed_steps": measured["timed_steps"],
-            "flops": step_flops,
-            "counted_flops": measured["counted_flops"],
-            "flops_ratio": _ratio(measured["counted_flops"], step_flops),
-            "tflops": rate / 1e12,
-            "planned": {k: v for k, v in at_rate.items() if k != "mfu"},
-        },
-        "communication": communication,
-        "collectives": measured["collectives"],
-        "counter_bytes": measured["counter_bytes"],
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from hybrid.checkpoint.saver import CheckpointWriter
 from hybrid.distributed.env import DistributedEnv
 from hybrid.distributed.topology import Topology
-from hybrid.engine import Engine, EngineConfig
-from hybrid.recompute import Recompute, RecomputePolicy
+from hybrid.engine import Engine
 from hybrid.tensor_parallel import TensorParallel
 from launch.config import Config, ConfigError, to_dict
 from launch.data import DistributedBatches, TokenWindows, load_tokenizer, prepare_data
@@ -38,9 +37,8 @@ from launch.train.checkpointing import save as save_checkpoint
 from launch.train.outputs import generate_sample, summary_line, write_final_weights
 from launch.train.preemption import NonFiniteLoss, Preemption
 from launch.train.schedule import lr_at
+from launch.train.setup import build_model, engine_config, run_banner
 from launch.train.step import eval_steps, evaluate, train_step
-from models.gpt import GPT, count_parameters, pad_vocab_size
-from models.gpt.hf.lazy import open_hf_weights
 
 
 @dataclass
@@ -53,6 +51,27 @@ class RunData:
     train: Samples
     val: Samples
     description: str
+
+
+@dataclass
+class Run:
+    """What the step loop works with, built once by `train`: the engine and its layout,
+    the data, and everything that watches, stops or saves the run."""
+
+    config: Config
+    env: DistributedEnv
+    topology: Topology
+    tp: TensorParallel
+    engine: Engine
+    batches: DistributedBatches
+    val_set: list[tuple[str, float, list[Any]]]
+    tracker: Tracker | None
+    preemption: Preemption
+    memory: PeakMemory
+    planned: int | None  # the planner's peak for this layout, shown beside the measured one
+    writer: CheckpointWriter
+    utilization: Utilization
+    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def load_data(config: Config, env: DistributedEnv, window: int) -> RunData:
@@ -104,62 +123,6 @@ def load_data(config: Config, env: DistributedEnv, window: int) -> RunData:
     return RunData(tokenizer, train, val, description)
 
 
-def build_model(
-    config: Config,
-    n_tokens: int,
-    tp: TensorParallel,
-    device: torch.device | str,
-    resume: bool = False,
-) -> GPT:
-    """The GPT with the vocabulary sized from the tokenizer (padded to a multiple of 128,
-    Megatron's rule; the loss masks the padding), sliced for this TP rank. It is built on
-    the meta device; the Engine materialises only what this rank keeps.
-
-    Fine-tuning (`init_from`) keeps the checkpoint's exact vocabulary, every entry a real
-    token, and its weights (unless a checkpoint of this run will replace them: `resume`).
-    """
-    model_config = config.model
-    p = config.parallel
-    recompute = RecomputePolicy(Recompute(p.recompute), p.recompute_every)
-    if config.init_from is not None:
-        if n_tokens > model_config.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {n_tokens} tokens but {config.init_from} has "
-                f"{model_config.vocab_size} embeddings; use the tokenizer that came with it "
-                "(remove data.tokenizer)"
-            )
-        weights = None
-        if not resume:
-            weights = open_hf_weights(config.init_from, model_config)  # reads on demand
-        return GPT(
-            model_config, tp, recompute, config.train.seed, device=device, init_weights=weights
-        )
-    if model_config.vocab_size is None:
-        model_config = dataclasses.replace(model_config, vocab_size=pad_vocab_size(n_tokens))
-    elif model_config.vocab_size < n_tokens:
-        raise ConfigError(
-            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
-            f"{n_tokens} tokens; remove model.vocab_size to size it from the tokenizer"
-        )
-    return GPT(
-        model_config, tp, recompute, config.train.seed, n_real_tokens=n_tokens, device=device
-    )
-
-
-def engine_config(config: Config, dp: int) -> EngineConfig:
-    """The Engine's settings for a run of this config at data-parallel degree `dp`."""
-    t = config.train
-    return EngineConfig(
-        zero_stage=config.parallel.zero_stage,
-        precision=t.precision,
-        micro_batches=t.global_batch_size // (t.micro_batch_size * dp),
-        grad_clip=t.grad_clip,
-        weight_decay=t.weight_decay,
-        grad_reduce_dtype=t.grad_reduce_dtype,
-        overlap_param_gather=config.parallel.overlap_param_gather,
-    )
-
-
 def train(
     config: Config, env: DistributedEnv, dp: int, resume: Path | None = None
 ) -> list[dict[str, Any]]:
@@ -179,9 +142,7 @@ def train(
     # straight into its bucket (stages 0-2) or shard (stage 3), so the model never exists
     # twice on a rank (a model built on the device, then copied, peaked at 2x parameters).
     device = "meta"
-    memory = PeakMemory(
-        env.device, topology.world
-    )  # the baseline: what the run holds before its model
+    memory = PeakMemory(env.device, topology.world)  # baseline: what the run holds before it
     model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
     planned = planned_peak_bytes(config, model.config, env.world_size, env.device.type)
     # The planner's model FLOPs per token and the device's peak, for each step's MFU.
@@ -222,16 +183,7 @@ def train(
             rotate_old_metrics(run_dir)
         resolved = to_dict(config) | {"model": dataclasses.asdict(model.config)}
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-        print(
-            f"model: {count_parameters(model.config):,} parameters "
-            f"({model.config.n_layer} layers, d_model {model.config.d_model}, "
-            f"vocab {model.config.vocab_size}) | {topology.describe()}"
-            f"{' + sequence parallel' if p.sequence_parallel else ''} | "
-            f"recompute {p.recompute} | "
-            f"{t.global_batch_size // (t.micro_batch_size * dp)} micro-batches per step | "
-            f"{data.description} | sequences of {window} tokens | device {env.device}",
-            flush=True,
-        )
+        print(run_banner(config, model.config, topology, data.description, env), flush=True)
         tracker = Tracker(run_dir, config.tracking.wandb, resolved, t.steps, start_step)
 
     history: list[dict[str, Any]] = []
@@ -244,24 +196,12 @@ def train(
         )
     preemption = Preemption()
     writer = CheckpointWriter(config.checkpoint.async_save)
+    run = Run(
+        config, env, topology, tp, engine, batches, val_set, tracker, preemption, memory,
+        planned, writer, utilization, history,
+    )  # fmt: skip
     try:
-        finished = _loop(
-            engine,
-            config,
-            batches,
-            val_set,
-            topology,
-            tp,
-            tracker,
-            history,
-            range(start_step, stop),
-            preemption,
-            env,
-            memory,
-            planned,
-            writer,
-            utilization,
-        )
+        finished = _loop(run, range(start_step, stop))
         writer.close()  # the last checkpoint committed before anything else happens
     finally:
         preemption.uninstall()
@@ -291,28 +231,13 @@ def train(
     return history
 
 
-def _loop(
-    engine: Engine,
-    config: Config,
-    batches: DistributedBatches,
-    val_set: list[tuple[str, float, list[Any]]],
-    topology: Topology,
-    tp: TensorParallel,
-    tracker: Tracker | None,
-    history: list[dict[str, Any]],
-    steps: range,
-    preemption: Preemption,
-    env: DistributedEnv,
-    memory: PeakMemory,
-    planned: int | None,
-    writer: CheckpointWriter,
-    utilization: Utilization,
-) -> bool:
-    """Train `steps`, appending each step's metrics to `history`; checkpoint every
+def _loop(run: Run, steps: range) -> bool:
+    """Train `steps`, appending each step's metrics to `run.history`; checkpoint every
     `checkpoint.every` steps and after the last. False when SIGTERM stopped it early
     (after a checkpoint of the step it finished). Each step's metrics carry the largest
     rank's peak memory so far beside the planner's peak for this layout, on CUDA the
     allocator's peak, and MFU where the device's peak is known."""
+    config, env, engine, batches = run.config, run.env, run.engine, run.batches
     t = config.train
     evaluate_after = set(eval_steps(t.steps, t.eval_every))
     tokens_per_step = t.global_batch_size * (t.seq_len or config.model.seq_len)
@@ -329,7 +254,7 @@ def _loop(
             "tokens_per_s": tokens_per_step / elapsed,
             "step_time_s": elapsed,
         }
-        mfu = utilization.of(metrics["tokens_per_s"])
+        mfu = run.utilization.of(metrics["tokens_per_s"])
         if mfu is not None:
             metrics["mfu"] = mfu  # a fraction of one device's peak
         # fp16 overflows are routine (the loss scale halves); elsewhere a NaN or inf is not.
@@ -345,23 +270,23 @@ def _loop(
         if skipped:
             metrics["skipped"] = True  # no update (fp16: and a lower loss scale)
         if step + 1 in evaluate_after:
-            metrics |= val_losses(engine, val_set, topology, env.device)
+            metrics |= val_losses(engine, run.val_set, run.topology, env.device)
         # After evaluation, so the line's peak covers it. The loss is reduced over DP only
         # (a SUM), so the largest rank's peak takes its own MAX over the world.
-        peak, device_peak = memory.maxima()
+        peak, device_peak = run.memory.maxima()
         metrics["peak_mem_bytes"] = peak
-        metrics["planned_peak_bytes"] = planned
+        metrics["planned_peak_bytes"] = run.planned
         if device_peak is not None:
             metrics["device_mem_bytes"] = device_peak
-        history.append(metrics)
-        if tracker is not None:
-            tracker.log(metrics)
-        preemption.step_took(time.perf_counter() - tick)  # with evaluation: the grace
+        run.history.append(metrics)
+        if run.tracker is not None:
+            run.tracker.log(metrics)
+        run.preemption.step_took(time.perf_counter() - tick)  # with evaluation: the grace
         every = config.checkpoint.every
-        preempted = preemption.requested(topology, env.device)
+        preempted = run.preemption.requested(run.topology, env.device)
         if (every and (step + 1) % every == 0) or step + 1 == steps.stop or preempted:
             save_checkpoint(
-                engine, config, step + 1, batches.consumed_samples, topology, tp, writer
+                engine, config, step + 1, batches.consumed_samples, run.topology, run.tp, run.writer
             )
         if preempted:
             return False

@@ -1,9 +1,10 @@
 """Streaming corpus preparation: input files -> one token file and a document index.
 
 Documents stream from each file (launch.data.prepare.read) in batches of about 1 MB of
-text to N worker processes, each with its own copy of the tokenizer's Rust backend
-(`tokenizers`); the results come back in order and are appended to the file's part as
-they arrive. At most 2N batches are in flight, so memory does not grow with the corpus.
+text to N worker processes (launch.data.prepare.encode), each with its own copy of the
+tokenizer's Rust backend (`tokenizers`); the results come back in order and are appended
+to the file's part as they arrive. At most 2N batches are in flight, so memory does not
+grow with the corpus.
 
 Each input file becomes one part (`parts/<i>.bin` + `.docs` + `.json`), renamed into place
 when complete: a crash loses only the file being tokenized, and a rerun keeps the parts
@@ -24,9 +25,7 @@ import json
 import multiprocessing
 import os
 import shutil
-from collections import deque
 from collections.abc import Iterable, Iterator
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from launch.data.hf_folders import id_batches, open_hf_folder
+from launch.data.prepare.encode import _encoded, _init_worker
 from launch.data.prepare.read import (
     HashingReader,
     content_hash,
@@ -49,8 +49,6 @@ from launch.data.prepare.read import (
 BATCH_CHARS = 1 << 20  # text per batch sent to a worker: large enough to amortise pickling
 # Below this much input, starting worker processes costs more than it saves.
 MIN_BYTES_PER_WORKER = 8 << 20
-
-_worker_tokenizer: Any = None
 
 
 def token_dtype(tokenizer: PreTrainedTokenizerBase) -> np.dtype:
@@ -123,39 +121,6 @@ def prepare_corpus(
     return meta
 
 
-def encode_texts(
-    encoder: Any, texts: list[str], dtype: np.dtype, eos: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of `texts`, concatenated, and each text's length; with `eos`, one
-    end-of-text token after each. `encoder`: a `tokenizers.Tokenizer`, or a slow
-    Hugging Face tokenizer (no Rust backend) as a fallback."""
-    if hasattr(encoder, "encode_batch_fast"):  # no offsets computed: we never read them
-        ids = [e.ids for e in encoder.encode_batch_fast(texts, add_special_tokens=False)]
-    else:
-        ids = encoder(texts, add_special_tokens=False)["input_ids"]
-    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum()))
-    if eos is not None:
-        flat = np.insert(flat, np.cumsum(lengths), eos).astype(dtype, copy=False)
-        lengths += 1
-    return flat, lengths
-
-
-def _init_worker(tokenizer_json: str) -> None:
-    from tokenizers import Tokenizer
-
-    # One process per core already: Rust threads inside each would only contend.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    global _worker_tokenizer
-    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
-
-
-def _encode_in_worker(
-    texts: list[str], dtype: np.dtype, eos: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    return encode_texts(_worker_tokenizer, texts, dtype, eos)
-
-
 def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
     batch: list[str] = []
     chars = 0
@@ -167,25 +132,6 @@ def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
             batch, chars = [], 0
     if batch:
         yield batch
-
-
-def _encoded(
-    batches: Iterator[list[str]], tokenizer: Any, dtype: np.dtype, eos: int | None, pool: Any,
-    depth: int,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
-    """Each batch's (ids, lengths) in order; with a pool, at most `depth` in flight."""
-    if pool is None:
-        backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
-        for batch in batches:
-            yield encode_texts(backend, batch, dtype, eos)
-        return
-    pending: deque[Any] = deque()
-    for batch in batches:
-        pending.append(pool.apply_async(_encode_in_worker, (batch, dtype, eos)))
-        if len(pending) >= depth:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 def _part_name(index: int, path: Path) -> str:

@@ -12,7 +12,7 @@ from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from models.gpt import GPT
 
-from .common import SEED, JobSpec
+from ..common import SEED, JobSpec
 
 
 class OursTrainer:

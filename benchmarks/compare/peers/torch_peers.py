@@ -26,9 +26,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from .common import JobSpec, adamw_groups, initial_state, make_adamw
+from ..common import JobSpec, adamw_groups, initial_state, make_adamw
+from ..plain_gpt import PlainGPT, from_state
 from .plain import ModuleTrainer
-from .plain_gpt import PlainGPT, from_state
 
 
 def parallelize_tp(model: PlainGPT, mesh: DeviceMesh) -> None:

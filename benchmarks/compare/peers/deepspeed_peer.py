@@ -10,8 +10,8 @@ from typing import Any
 import deepspeed
 import torch
 
-from .common import JobSpec, adamw_groups, initial_state, make_adamw
-from .plain_gpt import from_state
+from ..common import JobSpec, adamw_groups, initial_state, make_adamw
+from ..plain_gpt import from_state
 
 # DeepSpeed ZeRO optimizer attributes that hold gradient partitions, and fp32 masters.
 GRADIENT_ATTRIBUTES = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")

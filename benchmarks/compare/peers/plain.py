@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .common import JobSpec, adamw_groups, initial_state, make_adamw
-from .plain_gpt import from_state
+from ..common import JobSpec, adamw_groups, initial_state, make_adamw
+from ..plain_gpt import from_state
 
 
 class ModuleTrainer:

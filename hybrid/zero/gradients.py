@@ -1,0 +1,80 @@
+"""The step's gradients: this rank's reduced shards handed to the fp32 masters (unscaled),
+then checked: fp16's overflow flag and the global L2 norm (for clipping and the NaN
+check), each agreed by every rank.
+
+Each element is counted once: DP shards are disjoint at stages 1-3 (at stage 0 every DP
+rank holds the same full gradient, so no DP reduction), TP-split parameters are summed
+over TP, and replicated ones (LayerNorms, biases of row-parallel layers) are counted once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybrid.distributed.comm import Group
+from hybrid.zero.state import BucketState
+
+
+def master_gradients(
+    states: Sequence[BucketState], grad_dtype: torch.dtype, loss_scale: float
+) -> list[torch.Tensor]:
+    """Each bucket's gradient shard in fp32 and unscaled, set as its master views' `.grad`
+    (the optimizer steps on them); the shard is let go. A bucket nothing was reduced into
+    has a zero gradient."""
+    grads = []
+    for state in states:
+        grad = state.grad_shard
+        if grad is None:  # nothing reduced into this bucket: zero gradient
+            grad = torch.zeros_like(state.master, dtype=grad_dtype)
+        if grad.dtype != torch.float32:
+            grad = grad.float()
+        if loss_scale != 1.0:  # fp16: unscaled in fp32, the shard's own if fp32
+            grad /= loss_scale
+        grads.append(grad)
+        for segment, view in state.master_segments:
+            view.grad = grad[segment.start : segment.end]
+        state.grad_shard = None
+    return grads
+
+
+def any_overflow(
+    grads: Sequence[torch.Tensor], groups: Iterable[Group], device: torch.device
+) -> bool:
+    """Any non-finite gradient on any rank of `groups`: fp16 then skips the step on every
+    rank and halves the loss scale."""
+    bad = torch.zeros(1, device=device)
+    for grad in grads:
+        bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float().reshape(1))
+    for group in groups:
+        group.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+def global_grad_norm(
+    states: Sequence[BucketState], stage: int, dp: Group, tp_group: Group, device: torch.device
+) -> float:
+    """The L2 norm of the whole model's gradient (the masters' `.grad` views), the same on
+    every rank; NaN on every rank when it is not finite on one."""
+    kinds = [
+        (segment.kind.split, view.grad)
+        for state in states
+        for segment, view in state.master_segments
+    ]
+    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (split, replicated)
+    for index, split in enumerate((True, False)):
+        grads = [grad for is_split, grad in kinds if is_split == split]
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).double()
+            squares[index] = norms.square().sum()
+    if stage >= 1:
+        dp.all_reduce(squares)
+    # The replicated part is the same on every TP rank unless it is not finite on one:
+    # its non-finite flag rides along, so every rank returns the same (NaN) norm.
+    bad = (~torch.isfinite(squares[1:])).double()
+    split_part = tp_group.all_reduce(torch.cat([squares[:1], bad]))
+    if split_part[1] > 0:
+        return float("nan")
+    return float((split_part[0] + squares[1]).sqrt())

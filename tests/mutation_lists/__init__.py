@@ -1,0 +1,16 @@
+"""The mutation list of tests/mutations.py, one module per concern of the code mutated."""
+
+from __future__ import annotations
+
+from mutation_lists import checkpoint, engine, launch, model, planning
+from mutation_lists.mutation import Mutation
+
+MUTATIONS: list[Mutation] = [
+    *engine.MUTATIONS,
+    *checkpoint.MUTATIONS,
+    *planning.MUTATIONS,
+    *launch.MUTATIONS,
+    *model.MUTATIONS,
+]
+
+__all__ = ["MUTATIONS", "Mutation"]
