@@ -19,7 +19,7 @@ metrics.py say how):
   (parameters, gradients, optimizer states) measured as tensor storages, with DeepSpeed's
   preallocated reduce buckets and any other live tensor counted apart.
 Writes benchmarks/results.md (table, checks, what is measured, machine, versions,
-command), benchmarks/results.png and the raw numbers in benchmarks/results.json.
+command), benchmarks/raw/results.png and the raw numbers in benchmarks/raw/results.json.
 
 The default model (8 layers x d_model 768, 57M parameters, 4 x 128 tokens per step) is
 sized so that its parameters dominate memory (fp32 model states 0.9 GB per rank at stage
@@ -301,7 +301,8 @@ def main() -> None:
     title = f"{bench.n_layer}-layer GPT, d_model {bench.d_model}" + (
         " (smoke run)" if smoke else ""
     )
-    chart(ordered, args.out.with_suffix(".png"), title)
+    (args.out.parent / "raw").mkdir(exist_ok=True)
+    chart(ordered, args.out.parent / "raw" / f"{args.out.stem}.png", title)
     dump = {
         "command": command,
         "machine": info,
@@ -315,7 +316,7 @@ def main() -> None:
             for r in ordered
         ],
     }
-    args.out.with_suffix(".json").write_text(json.dumps(dump))
+    (args.out.parent / "raw" / f"{args.out.stem}.json").write_text(json.dumps(dump))
     print("\n".join(text))
 
 

@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-OUT=${OUT:-benchmarks/gpu_rehearsal$([[ "${1:-}" == "--cpu" ]] && echo _cpu).md}
+OUT=${OUT:-benchmarks/$([[ "${1:-}" == "--cpu" ]] && echo gpu/gpu_rehearsal_cpu || echo gpu_rehearsal).md}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -53,8 +53,8 @@ for i in "${!rehearsals[@]}"; do
     { echo "## python -m launch.rehearse ${rehearsals[$i]}: failed"; echo; echo '```'; tail -5 "$tmp/$i.txt"; echo '```'; echo; } >> "$OUT"
   fi
 done
-{ echo "## benchmarks/gpu_section.py ${section[*]}"; echo; } >> "$OUT"
-timeout 240 $PY benchmarks/gpu_section.py "${section[@]}" --out "$tmp/section.md" > "$tmp/section.log" 2>&1 \
+{ echo "## benchmarks/gpu/gpu_section.py ${section[*]}"; echo; } >> "$OUT"
+timeout 240 $PY benchmarks/gpu/gpu_section.py "${section[@]}" --out "$tmp/section.md" > "$tmp/section.log" 2>&1 \
   && cat "$tmp/section.md" >> "$OUT" || { echo "failed:"; tail -5 "$tmp/section.log"; } >> "$OUT"
 # shellcheck disable=SC2086
 if timeout "$limit" $PY -m launch.pretrain $pretrain run_dir="$tmp/run" tracking.wandb.mode=disabled sample.tokens=0 > "$tmp/pretrain.txt" 2>&1; then

@@ -16,7 +16,7 @@ presets' 8-12 micro-batches would take 8-12 times as long on a CPU and change th
 only by the gradient shards they carry (1/dp of the gradients, at ZeRO-2 and 3); two
 more cases accumulate 2 micro-batches, so that the peak carries them. Two steps: the
 first under the instruments, the second timed bare. `--reuse` takes the cases of an
-earlier benchmarks/rehearsal.json that it would run again unchanged (about 45 min in all
+earlier benchmarks/raw/rehearsal.json that it would run again unchanged (about 45 min in all
 on 2 cores).
 """
 
@@ -172,7 +172,7 @@ def main() -> int:
     parser.add_argument("--only", choices=sorted({c[0] for c in CASES}), nargs="+")
     parser.add_argument("--quick", action="store_true", help="a small model, to try it")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--reuse", type=Path, help="an earlier rehearsal.json: skip its cases")
+    parser.add_argument("--reuse", type=Path, help="an earlier raw/rehearsal.json: skip its cases")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "rehearsal.md")
     args = parser.parse_args()
     cases = QUICK if args.quick else [c for c in CASES if not args.only or c[0] in args.only]
@@ -186,7 +186,8 @@ def main() -> int:
         reports.append(previous or run_case(*case[1:], args.steps))
     minutes = (time.perf_counter() - started) / 60
     args.out.write_text(markdown(reports))
-    args.out.with_suffix(".json").write_text(json.dumps(reports, indent=1))
+    (args.out.parent / "raw").mkdir(exist_ok=True)
+    (args.out.parent / "raw" / f"{args.out.stem}.json").write_text(json.dumps(reports, indent=1))
     print(f"written {args.out} in {minutes:.1f} min")
     return 0 if all("error" not in r and within(r) for r in reports) else 1
 

@@ -100,7 +100,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "run_memory.md")
-    p.add_argument("--raw", type=Path, default=ROOT / "benchmarks" / "run_memory.json")
+    p.add_argument("--raw", type=Path, default=ROOT / "benchmarks" / "raw" / "run_memory.json")
     p.add_argument(
         "--report-only", action="store_true", help="re-plan and rewrite --out from --raw"
     )

@@ -13,7 +13,7 @@ layouts that fit by estimated step time. `--params` plans a bare parameter count
 ZeRO paper's model-state analysis, without activations. The numbers come from
 hybrid.memory: model states and buffers equal the engine's own accounting to the byte, and
 the peak of a step is within 10% of MemTracker's measurement of real steps
-(tests/test_plan.py, tests/test_plan_instrument.py). The total is that peak plus
+(tests/planning/test_plan.py, tests/planning/test_plan_instrument.py). The total is that peak plus
 `--reserve`; `--backend gloo` plans a CPU run.
 """
 

@@ -11,7 +11,11 @@ import torch
 from hybrid.instruments.local_processes import preload
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # helpers: small_run, tp_cases, wandb_log
+# Each concern's folder holds its tests and the worker modules (`*_cases.py`) that spawned
+# ranks import by name: every folder goes on the path before the preload server forks.
+for folder in sorted((ROOT / "tests").iterdir(), reverse=True):
+    if folder.is_dir() and any(folder.glob("*.py")) and folder.name != "mutation_lists":
+        sys.path.insert(0, str(folder))
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for each rank
 # torch is imported already (hybrid.instruments.local_processes): the variable no longer reaches
 # this process's own references, which on 2 busy cores ran up to 30x slower on two threads.

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def model_config(name: str) -> GPTConfig:
     if name == "tiny":
         return GPTConfig(n_layer=2, n_head=4, d_model=128, seq_len=128, vocab_size=256)
-    # configs/gpt2-1.5b.yaml, with GPT-2's vocabulary padded to a multiple of 128.
+    # configs/gpt2/gpt2-1.5b.yaml, with GPT-2's vocabulary padded to a multiple of 128.
     return GPTConfig(n_layer=48, n_head=25, d_model=1600, seq_len=1024, vocab_size=50304)
 
 

@@ -1,7 +1,7 @@
 """Checkpoint pieces stored as their raw bytes, in DCP's layout of files and index.
 
 DCP's FileSystemWriter wraps every piece in a `torch.save` zip of its own. Measured here
-(benchmarks/checkpoint_speed.md) that alone made a save take 2.1-2.3x a raw write of
+(benchmarks/checkpoint/checkpoint_speed.md) that alone made a save take 2.1-2.3x a raw write of
 the same bytes: the zip's records, its headers and a Python pass over each storage, for
 each of a save's thousands of pieces. A piece is already a dense tensor whose shape and
 dtype the index records (its chunk's sizes, the tensor's properties), so the file needs

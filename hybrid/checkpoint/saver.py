@@ -2,7 +2,7 @@
 
 The functions are looked up on hybrid.checkpoint.engine_state at each call
 (`checkpoint.save_engine`, not an imported name), so what wraps them there
-(tests/fault_entry.py's kill points) wraps both ways of saving."""
+(tests/reliability/fault_entry.py's kill points) wraps both ways of saving."""
 
 from __future__ import annotations
 

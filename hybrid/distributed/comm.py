@@ -132,7 +132,7 @@ class Group:
         `gloo_own=True` keeps gloo's own all-gather where the group would exchange pairwise:
         for gathers waited for just after they are issued (ZeRO-3's prefetch), where it
         measured faster: stage 3 with the pairwise all-gather took 1.21x stage 0's step,
-        1.15x with gloo's own (benchmarks/zero_speed.py, 7 paired rounds)."""
+        1.15x with gloo's own (benchmarks/speed/zero_speed.py, 7 paired rounds)."""
         if self.size == 1:
             out.copy_(shard)
             return Handle(None)

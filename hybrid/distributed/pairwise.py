@@ -5,7 +5,7 @@ Why: on CPU the cores that compute also run the collectives, so a collective's C
 step time lost however well it overlaps. gloo's own reduce-scatter and all-gather cost
 1.3-1.8x the CPU time of an all-reduce of the same tensor, though a ring all-reduce is a
 reduce-scatter followed by an all-gather; the same exchanges on isend/irecv cost a fifth
-to a third of gloo's (benchmarks/zero_speed.md measures all three on the demo model's
+to a third of gloo's (benchmarks/speed/zero_speed.md measures all three on the demo model's
 parameters, 3.5 MB over 2 ranks). NCCL keeps its own collectives.
 
 Bytes: a rank sends its piece of S/n to each of the n-1 others (all-gather), or in a group of

@@ -1,5 +1,5 @@
 """What the Engine holds, counted from its tensors, each storage once (no allocator hooks,
-no formulas: hybrid.memory predicts these numbers and tests/test_plan.py compares them).
+no formulas: hybrid.memory predicts these numbers and tests/planning/test_plan.py compares them).
 
 - model states: parameters (the flat buffers at stages 0-2, the shards at 3), gradients
   when the last backward ended (the full flat buffers at stage 0, the reduced shards at

@@ -46,6 +46,8 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "load_config",
+    "preset_names",
+    "preset_path",
     "to_dict",
     "valid_keys",
     "validate",
@@ -54,6 +56,19 @@ __all__ = [
 
 # launch/config/__init__.py -> the repository's configs/ folder.
 PRESET_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+
+
+def preset_names() -> list[str]:
+    """Every preset's name: the YAML files under configs/ (grouped in folders by family)."""
+    return sorted(p.stem for p in PRESET_DIR.rglob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """The file of the preset called `name` (e.g. `gpt2-124m` -> configs/gpt2/gpt2-124m.yaml)."""
+    found = sorted(PRESET_DIR.rglob(f"{name}.yaml"))
+    if not found:
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(preset_names())}")
+    return found[0]
 
 
 def load_config(
@@ -71,7 +86,7 @@ def load_config(
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+            presets = ", ".join(preset_names())
             raise ConfigError(f"config file {path} not found (presets in configs/: {presets})")
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, dict):

@@ -23,7 +23,7 @@ from hybrid.memory import (
     parse_count,
     plan,
 )
-from launch.config import PRESET_DIR, Config, load_config
+from launch.config import Config, load_config, preset_names, preset_path
 from models.gpt import GPTConfig, count_parameters, flops_per_token, pad_vocab_size
 from models.gpt.accounting import (
     rank_parameters,
@@ -163,11 +163,10 @@ def layout_options(config: Config) -> dict[str, Any]:
 def read_config(name: str, overrides: list[str]) -> Config:
     path = Path(name)
     if not path.is_file():
-        preset = PRESET_DIR / f"{name}.yaml"
-        if not preset.is_file():
-            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+        if name not in preset_names():
+            presets = ", ".join(preset_names())
             raise PlanError(f"unknown preset or config file {name!r}; presets: {presets}")
-        path = preset
+        path = preset_path(name)
     return load_config(path, overrides)  # its layout is the default; checked again per plan
 
 

@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 # Rows are normalised in this many pieces, so the fp32 temporaries (input, output and
 # their gradients: 16 bytes an element) live for one piece at a time. Measured by
-# MemTracker (tests/test_norms.py): forward and backward peak about 4 bytes an element
+# MemTracker (tests/model/test_norms.py): forward and backward peak about 4 bytes an element
 # above torch's own bf16 LayerNorm (one piece: 18).
 PIECES = 8
 
@@ -97,9 +97,9 @@ class LayerNorm(nn.LayerNorm):
 
     Why: torch's CPU bf16 LayerNorm backward sums the weight and bias gradients over rows
     with a relative error of 0.05-0.11 (fp32 inside: below 0.007;
-    benchmarks/bf16_gradient_error.py), ten to thirty times that of the whole bf16
+    benchmarks/precision/bf16_gradient_error.py), ten to thirty times that of the whole bf16
     gradient. CUDA's layer_norm kernels already accumulate 16-bit inputs in fp32
-    (acc_type; tests/test_norms.py checks it where a GPU is present), so there torch's
+    (acc_type; tests/model/test_norms.py checks it where a GPU is present), so there torch's
     kernel runs unchanged, as it does for fp32 inputs.
     """
 

@@ -12,8 +12,8 @@ MUTATIONS = [
         "        for state in self.states:\n            state.grad_flat = None\n",
         "        for state in self.states:\n            pass\n",
         (
-            "tests/test_memory_vs_plain.py::test_no_gradient_is_alive_during_forward",
-            "tests/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
+            "tests/peers/test_memory_vs_plain.py::test_no_gradient_is_alive_during_forward",
+            "tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
         ),
     ),
     Mutation(
@@ -22,7 +22,7 @@ MUTATIONS = [
         "        param.grad = None\n        state.ready += 1\n",
         "        state.ready += 1\n",
         (
-            "tests/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
+            "tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
         ),
     ),
     Mutation(
@@ -30,28 +30,30 @@ MUTATIONS = [
         "hybrid/zero/gradients.py",
         "        dp.all_reduce(squares)\n",
         "        pass\n",
-        ("tests/test_clipping.py::test_norm_and_clipped_weights_match_torch_at_every_layout",),
+        (
+            "tests/precision/test_clipping.py::test_norm_and_clipped_weights_match_torch_at_every_layout",
+        ),
     ),
     Mutation(
         "count replicated parameters tp times in the norm",
         "hybrid/zero/gradients.py",
         "    return float((split_part[0] + squares[1]).sqrt())",
         "    return float((split_part[0] + squares[1] * tp_group.size).sqrt())",
-        ("tests/test_hf.py::test_import_at_tp2_matches_transformers",),
+        ("tests/hf/test_hf.py::test_import_at_tp2_matches_transformers",),
     ),
     Mutation(
         "drop the 1/dp scaling of the loss",
         "hybrid/engine.py",
         "scale = self.loss_scale / (self.config.micro_batches * self.dp.size)",
         "scale = self.loss_scale / self.config.micro_batches",
-        ("tests/test_data_parallel.py",),
+        ("tests/zero/test_data_parallel.py",),
     ),
     Mutation(
         "leave padded vocabulary unmasked",
         "hybrid/tensor_parallel/cross_entropy.py",
         "        if vocab_start + local_vocab > n_real:",
         "        if False:",
-        ("tests/test_hf.py::test_import_at_tp2_matches_transformers",),
+        ("tests/hf/test_hf.py::test_import_at_tp2_matches_transformers",),
     ),
     Mutation(
         "reduce sequence-parallel LayerNorm gradients twice",
@@ -59,14 +61,14 @@ MUTATIONS = [
         "                    self.tp.group.all_reduce(flat[segment.start : segment.end])\n",
         "                    self.tp.group.all_reduce(flat[segment.start : segment.end])\n"
         "                    self.tp.group.all_reduce(flat[segment.start : segment.end])\n",
-        ("tests/test_hybrid_2d.py",),
+        ("tests/tensor_parallel/test_hybrid_2d.py",),
     ),
     Mutation(
         "skip the stage-3 backward regather",
         "hybrid/zero/gather.py",
         "output.register_hook(lambda grad: (before(index, backward_next), grad)[1])",
         "None",
-        ("tests/test_zero.py::test_stage_matches_adamw",),
+        ("tests/zero/test_zero.py::test_stage_matches_adamw",),
     ),
     Mutation(
         "apply the update on a skipped NaN step",
@@ -74,7 +76,7 @@ MUTATIONS = [
         "            self._release_gradients()\n"
         "            return StepStats(norm, True, self.loss_scale)\n",
         "            pass\n",
-        ("tests/test_nonfinite_skip.py",),
+        ("tests/precision/test_nonfinite_skip.py",),
     ),
     # Issue 15: the checks this issue added.
     Mutation(
@@ -82,7 +84,9 @@ MUTATIONS = [
         "hybrid/engine.py",
         "            torch._foreach_mul_(grads, self.config.grad_clip / (norm + 1e-6))",
         "            pass",
-        ("tests/test_clipping.py::test_norm_and_clipped_weights_match_torch_at_every_layout",),
+        (
+            "tests/precision/test_clipping.py::test_norm_and_clipped_weights_match_torch_at_every_layout",
+        ),
     ),
     Mutation(
         "bf16 weights with no fp32 master (the update rounded to bf16)",
@@ -91,7 +95,9 @@ MUTATIONS = [
         "        self.optimizer.step()\n"
         "        for state in self.states:\n"
         "            state.master.copy_(state.master.to(self.dtype))\n",
-        ("tests/test_bf16_masters.py::test_fp32_masters_follow_the_reference_at_every_layout",),
+        (
+            "tests/precision/test_bf16_masters.py::test_fp32_masters_follow_the_reference_at_every_layout",
+        ),
     ),
     # Issue 14: ZeRO-3 memory, seeded initialisation, streamed full state.
     Mutation(
@@ -99,21 +105,21 @@ MUTATIONS = [
         "hybrid/zero/gather.py",
         "        self._flat[index].untyped_storage().resize_(0)\n        self._held",
         "        self._held",
-        ("tests/test_stage3_memory.py",),
+        ("tests/zero/test_stage3_memory.py",),
     ),
     Mutation(
         "a rank draws every parameter in full at initialisation",
         "hybrid/zero/state.py",
         '    make = getattr(model, "initial_values", None)',
         "    make = None",
-        ("tests/test_meta_construction.py",),
+        ("tests/model/test_meta_construction.py",),
     ),
     Mutation(
         "clone the softmax in the cross-entropy's backward",
         "hybrid/tensor_parallel/cross_entropy.py",
         "        grad = softmax  # in place: the softmax is needed by nothing else\n",
         "        grad = softmax.clone()\n",
-        ("tests/test_cross_entropy_memory.py",),
+        ("tests/tensor_parallel/test_cross_entropy_memory.py",),
     ),
     Mutation(
         "micro-batch accumulation rounded to bf16 again (the sum cast to the gradient's dtype)",
@@ -122,7 +128,7 @@ MUTATIONS = [
         "  # in fp32 buffers: the 16-bit gradient summed in fp32\n",
         "            view.copy_(view.to(param.grad.dtype) + param.grad)\n",
         (
-            "tests/test_grad_reduce.py::test_fp32_shard_equals_the_fp32_sum_of_bf16_micro_batch_gradients",
+            "tests/zero/test_grad_reduce.py::test_fp32_shard_equals_the_fp32_sum_of_bf16_micro_batch_gradients",
         ),
     ),
     Mutation(
@@ -137,7 +143,7 @@ MUTATIONS = [
         "            grad = grad.float()\n"
         "            if loss_scale != 1.0:\n"
         "                grad /= loss_scale\n",
-        ("tests/test_grad_reduce.py::test_fp16_loss_scale_is_divided_out_of_fp32_shards",),
+        ("tests/zero/test_grad_reduce.py::test_fp16_loss_scale_is_divided_out_of_fp32_shards",),
     ),
     Mutation(
         "stages 1-2 wait for every parameter gather in the step (no overlap)",
@@ -145,55 +151,57 @@ MUTATIONS = [
         "        self._queued = list(range(len(self.flats)))\n        self._issue()\n",
         "        self._queued = list(range(len(self.flats)))\n        self._issue()\n"
         "        self.wait_all()\n",
-        ("tests/test_param_gather_overlap.py",),
+        ("tests/zero/test_param_gather_overlap.py",),
     ),
     Mutation(
         "no forward pre-hook waits for a unit's bucket (forward reads parameters in flight)",
         "hybrid/zero/publish.py",
         "            unit.register_forward_pre_hook(lambda module, args, k=bucket: before(k))\n",
         "",
-        ("tests/test_param_gather_overlap.py",),
+        ("tests/zero/test_param_gather_overlap.py",),
     ),
     Mutation(
         "pairwise reduce-scatter sends its own half",
         "hybrid/distributed/pairwise.py",
         "dist.isend(pieces[peer], group=group",
         "dist.isend(pieces[rank], group=group",
-        ("tests/test_pairwise.py::test_reduce_scatter_matches_gloo_and_the_fp64_sum",),
+        ("tests/zero/test_pairwise.py::test_reduce_scatter_matches_gloo_and_the_fp64_sum",),
     ),
     Mutation(
         "pairwise reduce-scatter leaves out its own half",
         "hybrid/distributed/pairwise.py",
         "            out.add_(addend)\n",
         "            pass\n",
-        ("tests/test_pairwise.py::test_reduce_scatter_matches_gloo_and_the_fp64_sum",),
+        ("tests/zero/test_pairwise.py::test_reduce_scatter_matches_gloo_and_the_fp64_sum",),
     ),
     Mutation(
         "pairwise all-gather leaves an out-of-place shard out",
         "hybrid/distributed/pairwise.py",
         "        mine.copy_(shard)\n",
         "        pass\n",
-        ("tests/test_pairwise.py::test_all_gather_is_the_concatenation",),
+        ("tests/zero/test_pairwise.py::test_all_gather_is_the_concatenation",),
     ),
     Mutation(
         "pairwise all-gather files a peer's piece in the wrong place",
         "hybrid/distributed/pairwise.py",
         "dist.irecv(pieces[peer], group=group",
         "dist.irecv(pieces[(peer + 1) % size], group=group",
-        ("tests/test_pairwise.py::test_all_gather_is_the_concatenation",),
+        ("tests/zero/test_pairwise.py::test_all_gather_is_the_concatenation",),
     ),
     Mutation(
         "gloo groups never exchange pairwise",
         "hybrid/distributed/comm.py",
         'dist.get_backend(process_group) == "gloo"',
         'dist.get_backend(process_group) == "nccl"',
-        ("tests/test_pairwise.py::test_dispatcher_sees_sends_of_a_rings_bytes",),
+        ("tests/zero/test_pairwise.py::test_dispatcher_sees_sends_of_a_rings_bytes",),
     ),
     Mutation(
         "an exchange dropped in flight is freed unfinished",
         "hybrid/distributed/pairwise.py",
         "    def __del__(self) -> None:",
         "    def _unused(self) -> None:",
-        ("tests/test_pairwise.py::test_exchanges_dropped_in_flight_do_not_stall_the_group[2]",),
+        (
+            "tests/zero/test_pairwise.py::test_exchanges_dropped_in_flight_do_not_stall_the_group[2]",
+        ),
     ),
 ]

@@ -10,14 +10,14 @@ MUTATIONS = [
         "launch/train/checkpointing.py",
         "        return _newest_loadable(checkpoint_root(config))",
         "        return None",
-        ("tests/test_checkpoint.py::test_stopped_and_resumed_run_has_the_same_losses",),
+        ("tests/checkpoint/test_checkpoint.py::test_stopped_and_resumed_run_has_the_same_losses",),
     ),
     Mutation(
         "save the fp16 loss scale's good steps not at all",
         "launch/train/checkpointing.py",
         '        "good_steps": engine.good_steps,\n',
         "",
-        ("tests/test_fp16_loss_scale.py",),
+        ("tests/precision/test_fp16_loss_scale.py",),
     ),
     Mutation(
         "checkpoint.verify=size hashes the files anyway",
@@ -25,7 +25,7 @@ MUTATIONS = [
         '    if candidate is None or verify != "full":',
         '    if candidate is None or verify == "none":',
         (
-            "tests/test_resume_verify.py::test_size_reads_no_shard_and_none_reads_nothing_and_loads_the_altered_file",
+            "tests/checkpoint/test_resume_verify.py::test_size_reads_no_shard_and_none_reads_nothing_and_loads_the_altered_file",
         ),
     ),
     Mutation(
@@ -34,7 +34,7 @@ MUTATIONS = [
         '    if candidate is not None and verify == "none":',
         "    if False:",
         (
-            "tests/test_resume_verify.py::test_size_reads_no_shard_and_none_reads_nothing_and_loads_the_altered_file",
+            "tests/checkpoint/test_resume_verify.py::test_size_reads_no_shard_and_none_reads_nothing_and_loads_the_altered_file",
         ),
     ),
     Mutation(
@@ -43,7 +43,7 @@ MUTATIONS = [
         "        resume = verify_resume(config, candidate, env.world)",
         "        resume = candidate",
         (
-            "tests/test_resume_verify.py::test_the_command_line_hashes_after_start_up_and_names_the_file",
+            "tests/checkpoint/test_resume_verify.py::test_the_command_line_hashes_after_start_up_and_names_the_file",
         ),
     ),
     Mutation(
@@ -51,7 +51,7 @@ MUTATIONS = [
         "launch/config/tree.py",
         '    return f.metadata.get("key", f.name)',
         "    return f.name",
-        ("tests/test_resume_verify.py::test_verify_and_async_keys",),
+        ("tests/checkpoint/test_resume_verify.py::test_verify_and_async_keys",),
     ),
     Mutation(
         "convert --to-hf reads the Adam moments along with the weights",
@@ -59,21 +59,21 @@ MUTATIONS = [
         '    for key, tensor in reader.stream(f"model.{name}" for name in names):',
         '    keys = (k for n in names for k in (f"model.{n}", f"exp_avg.{n}"))\n'
         '    for key, tensor in ((k, t) for k, t in reader.stream(keys) if k[:6] == "model."):',
-        ("tests/test_convert.py::test_hf_to_ours_at_tp2_stage3_and_back_is_exact",),
+        ("tests/hf/test_convert.py::test_hf_to_ours_at_tp2_stage3_and_back_is_exact",),
     ),
     Mutation(
         "convert --from-hf writes zero weights and the weights as exp_avg",
         "launch/convert.py",
         '        if kind != "model":\n            return torch.zeros(rows)',
         '        if kind != "exp_avg":\n            return torch.zeros(rows)',
-        ("tests/test_convert.py::test_hf_to_ours_at_tp2_stage3_and_back_is_exact",),
+        ("tests/hf/test_convert.py::test_hf_to_ours_at_tp2_stage3_and_back_is_exact",),
     ),
     Mutation(
         "convert --from-hf writes Adam moments without --optimizer-states",
         "launch/convert.py",
         '    kinds = ("model", *MOMENTS) if optimizer_states else ("model",)',
         '    kinds = ("model", *MOMENTS)',
-        ("tests/test_convert.py::test_a_checkpoint_without_moments_resumes_at_tp2_dp2_stage3",),
+        ("tests/hf/test_convert.py::test_a_checkpoint_without_moments_resumes_at_tp2_dp2_stage3",),
     ),
     Mutation(
         "the fine-tuned export leaves the tokenizer out",
@@ -81,7 +81,7 @@ MUTATIONS = [
         "            extra_files=lambda folder: tokenizer.save_pretrained(str(folder)),\n",
         "",
         (
-            "tests/test_finetune.py::test_prompt_completion_loss_is_layout_free_and_matches_transformers",
+            "tests/hf/test_finetune.py::test_prompt_completion_loss_is_layout_free_and_matches_transformers",
         ),
     ),
     Mutation(
@@ -89,21 +89,23 @@ MUTATIONS = [
         "launch/data/prepare/read.py",
         'text.readline()).split("\\n\\n")  # finish the line first\n',
         'text.readline()).split("\\n")  # finish the line first\n',
-        ("tests/test_prepare_data.py::test_tokens_and_document_index_equal_the_plain_computation",),
+        (
+            "tests/data/test_prepare_data.py::test_tokens_and_document_index_equal_the_plain_computation",
+        ),
     ),
     Mutation(
         "a rerun after a crash re-tokenizes the inputs already finished",
         "launch/data/prepare/corpus.py",
         "        return part if whole else None\n",
         "        return None\n",
-        ("tests/test_prepare_data.py::test_a_crash_keeps_the_inputs_already_finished",),
+        ("tests/data/test_prepare_data.py::test_a_crash_keeps_the_inputs_already_finished",),
     ),
     Mutation(
         "waiting ranks sit in a barrier under the collective timeout again",
         "launch/train/loop.py",
         "        phase.wait_for_node()\n",
         "        torch.distributed.barrier()\n",
-        ("tests/test_prepare_data.py::test_waiting_ranks_outlast_the_collective_timeout",),
+        ("tests/data/test_prepare_data.py::test_waiting_ranks_outlast_the_collective_timeout",),
     ),
     Mutation(
         "the sampler's permutation ignores the epoch: every epoch repeats the first's order",
@@ -111,7 +113,7 @@ MUTATIONS = [
         "            self._order = FeistelPermutation(self.n, (self.seed, self.stream, epoch))\n",
         "            self._order = FeistelPermutation(self.n, (self.seed, self.stream, 0))\n",
         (
-            "tests/test_sampler_permutation.py::test_deterministic_from_the_seed_and_fresh_each_epoch",
+            "tests/data/test_sampler_permutation.py::test_deterministic_from_the_seed_and_fresh_each_epoch",
         ),
     ),
     Mutation(
@@ -119,7 +121,7 @@ MUTATIONS = [
         "launch/data/sampler.py",
         "            outside = outside[out[outside] >= self.n]\n",
         "            outside = outside[:0]\n",
-        ("tests/test_sampler_permutation.py::test_every_epoch_visits_each_window_once",),
+        ("tests/data/test_sampler_permutation.py::test_every_epoch_visits_each_window_once",),
     ),
     Mutation(
         "the sampler materialises a permutation per epoch (memory grows with the corpus)",
@@ -128,7 +130,7 @@ MUTATIONS = [
         "        out = np.random.default_rng(self.keys).permutation(self.n).astype(np.uint64)\n"
         "        out = out[np.asarray(positions, dtype=np.int64)]\n",
         (
-            "tests/test_sampler_permutation.py::test_window_ids_at_a_trillion_tokens_in_constant_memory",
+            "tests/data/test_sampler_permutation.py::test_window_ids_at_a_trillion_tokens_in_constant_memory",
         ),
     ),
     Mutation(
@@ -136,49 +138,53 @@ MUTATIONS = [
         "launch/data/mixture.py",
         "        if self._dealt[0] != block:\n",
         "        if self._dealt[0] == -1:\n",
-        ("tests/test_mixture.py::test_resume_mid_run_and_at_another_dp_gives_the_same_windows",),
+        (
+            "tests/data/test_mixture.py::test_resume_mid_run_and_at_another_dp_gives_the_same_windows",
+        ),
     ),
     Mutation(
         "a source restarts its sample index every block: it repeats windows, no epochs",
         "launch/data/mixture.py",
         "            k[chosen] = b * self.counts[source[chosen]] + rank[position[chosen]]\n",
         "            k[chosen] = rank[position[chosen]]\n",
-        ("tests/test_mixture.py::test_proportions_over_ten_thousand_windows_match_the_weights",),
+        (
+            "tests/data/test_mixture.py::test_proportions_over_ten_thousand_windows_match_the_weights",
+        ),
     ),
     Mutation(
         "every source is validated on the first source's windows",
         "launch/data/mixture.py",
         "            eval_batches(part, n_samples, micro_batch_size, dp_rank, dp_size),\n",
         "            eval_batches(val.parts[0], n_samples, micro_batch_size, dp_rank, dp_size),\n",
-        ("tests/test_mixture.py::test_a_mixture_run_writes_val_loss_per_source",),
+        ("tests/data/test_mixture.py::test_a_mixture_run_writes_val_loss_per_source",),
     ),
     Mutation(
         "cached examples take the loss on the last prompt token too (off by one)",
         "launch/data/example_rows.py",
         "        targets[: max(int(self.prompt[i]) - 1, 0)] = IGNORE_INDEX\n",
         "        targets[: max(int(self.prompt[i]) - 2, 0)] = IGNORE_INDEX\n",
-        ("tests/test_packing.py::test_cache_is_memory_mapped_compact_and_reused",),
+        ("tests/data/test_packing.py::test_cache_is_memory_mapped_compact_and_reused",),
     ),
     Mutation(
         "TokenShards drops the last token of each shard in a slice across shards",
         "launch/data/shards.py",
         " - begin : min(hi, end) - begin])\n",
         " - begin : min(hi, end - 1) - begin])\n",
-        ("tests/test_shards.py::test_round_trip_across_shard_boundaries",),
+        ("tests/data/test_shards.py::test_round_trip_across_shard_boundaries",),
     ),
     Mutation(
         "the shard scan accepts a token id equal to vocab_size",
         "launch/data/shards.py",
         "if chunk.size and int(chunk.max()) >= self.vocab_size:\n",
         "if chunk.size and int(chunk.max()) > self.vocab_size:\n",
-        ("tests/test_shards.py::test_bad_shard_folders_say_what_is_wrong",),
+        ("tests/data/test_shards.py::test_bad_shard_folders_say_what_is_wrong",),
     ),
     Mutation(
         "slicing TokenShards copies the tokens instead of returning a lazy view",
         "launch/data/shards.py",
         "            return view\n",
         "            return np.asarray(view)\n",
-        ("tests/test_shards.py::test_memory_does_not_grow_with_the_corpus",),
+        ("tests/data/test_shards.py::test_memory_does_not_grow_with_the_corpus",),
     ),
     Mutation(
         "every rank of a node prepares the cache (local rank 0 no longer the only one)",
@@ -186,7 +192,7 @@ MUTATIONS = [
         "        self.first = env.local_rank == 0\n",
         "        self.first = True\n",
         (
-            "tests/test_two_nodes.py::test_two_nodes_prepare_their_own_cache_once_and_match_one_node",
+            "tests/reliability/test_two_nodes.py::test_two_nodes_prepare_their_own_cache_once_and_match_one_node",
         ),
     ),
     Mutation(
@@ -195,7 +201,7 @@ MUTATIONS = [
         "    if problem is None:\n        return token_file\n",
         "    if problem is None and False:\n        return token_file\n",
         (
-            "tests/test_two_nodes.py::test_two_nodes_prepare_their_own_cache_once_and_match_one_node",
+            "tests/reliability/test_two_nodes.py::test_two_nodes_prepare_their_own_cache_once_and_match_one_node",
         ),
     ),
     Mutation(
@@ -203,21 +209,23 @@ MUTATIONS = [
         "launch/data/hf_folders.py",
         "    if flat.size and (flat.min() < 0 or flat.max() >= vocab):\n",
         "    if False:\n",
-        ("tests/test_hf_folders.py::test_an_id_outside_the_vocabulary_is_one_line_naming_the_row",),
+        (
+            "tests/hf/test_hf_folders.py::test_an_id_outside_the_vocabulary_is_one_line_naming_the_row",
+        ),
     ),
     Mutation(
         "the cache key of a datasets folder ignores its files' sizes, mtimes and hashes",
         "launch/data/prepare/read.py",
         '        parts = [f"{f.relative_to(path)}={input_fingerprint(f)}" for f in files]\n',
         "        parts = [str(f.relative_to(path)) for f in files]\n",
-        ("tests/test_hf_folders.py::test_editing_a_file_in_the_folder_changes_the_cache_key",),
+        ("tests/hf/test_hf_folders.py::test_editing_a_file_in_the_folder_changes_the_cache_key",),
     ),
     Mutation(
         "a datasets folder's text rows lose their end-of-text separator",
         "launch/data/prepare/corpus.py",
         "        eos = tokenizer.eos_token_id\n",
         "        eos = None\n",
-        ("tests/test_hf_folders.py::test_text_rows_are_tokenized_like_records",),
+        ("tests/hf/test_hf_folders.py::test_text_rows_are_tokenized_like_records",),
     ),
     Mutation(
         "prepare a bpe mixture's sources each with its own vocabulary",
@@ -226,7 +234,7 @@ MUTATIONS = [
         "training\n",
         "",
         (
-            "tests/test_prepare_data.py::test_command_line_prepares_a_bpe_mixture_that_training_finds_cached",
+            "tests/data/test_prepare_data.py::test_command_line_prepares_a_bpe_mixture_that_training_finds_cached",
         ),
     ),
     Mutation(
@@ -235,7 +243,7 @@ MUTATIONS = [
         "    if len(shards) * shards.dtype.itemsize <= SCAN_AT_START_BYTES:\n",
         "    if False:\n",
         (
-            "tests/test_shards.py::"
+            "tests/data/test_shards.py::"
             "test_pretraining_reads_a_shard_folder_in_place_and_names_a_missing_shard",
         ),
     ),
@@ -244,27 +252,31 @@ MUTATIONS = [
         "launch/observe/mfu.py",
         "    return model_flops_per_token * tokens_per_s / world_size / peak\n",
         "    return model_flops_per_token * tokens_per_s / peak\n",
-        ("tests/test_mfu.py::test_mfu_shares_the_step_over_the_world",),
+        ("tests/entry_points/test_mfu.py::test_mfu_shares_the_step_over_the_world",),
     ),
     Mutation(
         "MFU counts full recomputation's FLOPs instead of the model's (the planner's)",
         "launch/observe/mfu.py",
         "        per_token = flops_per_token(with_seq_len(model, seq_len))\n",
         "        per_token = flops_per_token(with_seq_len(model, seq_len), True)\n",
-        ("tests/test_mfu.py::test_logged_mfu_is_the_planners_flops_at_the_logged_speed",),
+        (
+            "tests/entry_points/test_mfu.py::test_logged_mfu_is_the_planners_flops_at_the_logged_speed",
+        ),
     ),
     Mutation(
         "the bar shows the RSS/above-baseline figure instead of the CUDA allocator's peak",
         "launch/observe/tracking.py",
         '        memory = metrics.get("device_mem_bytes", metrics.get("peak_mem_bytes"))\n',
         '        memory = metrics.get("peak_mem_bytes")\n',
-        ("tests/test_mfu.py::test_bar_shows_mfu_and_memory_in_gib",),
+        ("tests/entry_points/test_mfu.py::test_bar_shows_mfu_and_memory_in_gib",),
     ),
     Mutation(
         "drop parallel.overlap_param_gather on the way to the engine",
         "launch/train/setup.py",
         "        overlap_param_gather=config.parallel.overlap_param_gather,\n",
         "",
-        ("tests/test_plan_cli.py::test_overlap_off_waits_for_the_parameter_gathers_in_the_step",),
+        (
+            "tests/planning/test_plan_cli.py::test_overlap_off_waits_for_the_parameter_gathers_in_the_step",
+        ),
     ),
 ]
