@@ -59,7 +59,7 @@ from hybrid.zero.gather import ParameterGatherer
 from hybrid.zero.gradients import any_overflow, global_grad_norm, master_gradients
 from hybrid.zero.optimizer import make_adamw
 from hybrid.zero.publish import ParameterPublisher
-from hybrid.zero.state import materialise, replace_meta_parameters
+from hybrid.zero.state import buffers_to, materialise, replace_meta_parameters
 
 
 class Engine:
@@ -112,7 +112,7 @@ class Engine:
         """Each bucket's flat storage on the device (a meta model is initialised here, shard
         by shard at stage 3); the parameters become views into it, found by `_where`."""
         model = self.module
-        model.to(self.dtype)  # buffers; parameters move into the buckets' flat tensors
+        buffers_to(model, self.dtype)  # parameters move into the buckets' flat tensors
         dtype, device = self.dtype, self.device
         self.states = [materialise(model, b, self.stage, dtype, device) for b in self.buckets]
         replace_meta_parameters(model, self.buckets, self.states)

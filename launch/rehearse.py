@@ -1,22 +1,27 @@
 """Will my job fit, and how fast is one rank? Rehearse one real rank of it here:
 
-    python -m launch.rehearse --config turing-nlg-17b --world 256 [--rank 255] [--steps 2]
-    python -m launch.rehearse --config gpt3-175b --world 1024 --layers 2 --json out.json
+    python -m launch.rehearse --config turing-nlg-17b --world 256 [--rank 255]
+    python -m launch.rehearse --config gpt3-175b --world 1024 --json out.json
     python -m launch.rehearse --config configs/tiny.yaml --world 4 parallel.tp=2 \
-        parallel.zero_stage=3
+        parallel.zero_stage=3 --compute real --steps 3
 
 One process plays rank R of a world of N (torch's fake process group stands in for the
 others): the real model and Engine, with TP, SP, recomputation and the config's ZeRO
-stage, at the config's precision, on CUDA when present, else the CPU (launch.planning.rehearsal).
-It prints, each next to the planner's figure (launch.plan) with measured / planned:
-memory by category at the step's peak (MemTracker; the allocator's peak on CUDA), the
-step time this rank measured and the FLOP rate it achieved, the step time the planner
-predicts at that rate, and the bytes each collective group would have moved.
-`--layers K` keeps only K transformer layers at full width (the planner's figures are for
-the same K layers), for models this machine cannot hold or run whole.
+stage, at the config's precision (launch.planning.rehearsal). It prints, each next to the
+planner's figure (launch.plan) with measured / planned: memory by category at the step's
+peak (MemTracker) and the bytes each collective group moved in one step cycle.
+
+`--compute fake` (the default) runs every op on shapes only (torch's FakeTensorMode): the
+allocations, FLOPs and collectives of the real run, in seconds on any CPU, whatever its
+bf16 kernels. `--compute real` runs the kernels, on CUDA when present, else the CPU, and
+also prints the step time, the FLOP rate it achieved, the step time the planner predicts
+at that rate and the allocator's peak on CUDA; a one-line estimate of its duration from a
+timed matmul comes first. `--layers K` keeps only K transformer layers at full width (the
+planner's figures are for the same K layers).
 
 Refused before anything is allocated (one line, exit code 2): a rank outside the world,
-a world not divisible by tp, a planned peak beyond this machine's free memory.
+a world not divisible by tp, and with real compute a planned peak beyond this machine's
+free memory.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from hybrid.memory import parse_bytes
 from launch.config import ConfigError
+from launch.planning.duration import real_compute_estimate
 from launch.planning.memory_check import format_bytes, local_device
 from launch.planning.rehearsal import RehearsalError, Request, rehearse, with_layers
 from launch.planning.search import PlanError, read_config
@@ -46,6 +52,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="training steps (the first measured)")
     p.add_argument("--layers", type=int, help="only this many transformer layers")
     p.add_argument("--memory-limit", help="memory to fit in, e.g. 16GiB (default: free memory)")
+    p.add_argument(
+        "--compute",
+        choices=("fake", "real"),
+        default="fake",
+        help="fake (default): every op on shapes only, seconds on any CPU, no time; "
+        "real: run the kernels, for the step time and FLOP rate",
+    )
     p.add_argument("--json", type=Path, help="also write the report to this file")
     return p.parse_args(argv)
 
@@ -64,7 +77,7 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"{r['model']}",
         f"rank {r['rank']} of {r['world']} (tp rank {r['tp_rank']}, dp rank {r['dp_rank']}): "
-        f"{r['layout']}, {r['precision']}, on {r['device']}",
+        f"{r['layout']}, {r['precision']}, on {r['device']} ({r['compute']} compute)",
         "",
         f"memory at the step's peak (planner's peak: {r['peak_moment']})",
         f"  {'category':<12} {'measured':>12} {'planned':>12} {'ratio':>7}",
@@ -77,17 +90,29 @@ def table(report: dict[str, Any]) -> str:
     if r["allocator_peak"] is not None:
         lines.append(f"  CUDA allocator's peak: {_gib(r['allocator_peak'])}")
     planned = t["planned"]
-    timed = f"median of {t['timed_steps']} timed" if t["timed_steps"] else "the instrumented"
-    lines += [
-        "",
-        f"time: one step of this rank {t['step_s']:.2f} s ({timed} step"
-        f"{'s' if t['timed_steps'] != 1 else ''}), "
+    flops = (
         f"{t['flops'] / 1e12:.2f} TFLOP planned ({_ratio(t['flops_ratio'])} counted at the "
-        f"dispatcher): {t['tflops']:.2f} TFLOP/s",
-        f"  the planner at that rate: step {planned.get('step_s', 0):.2f} s = compute "
-        f"{planned.get('compute_s', 0):.2f} + TP {planned.get('tp_s', 0):.2f} + exposed DP "
-        f"{planned.get('dp_exposed_s', 0):.2f} s (default links: NVLink 300 GB/s, IB 25 GB/s)",
-        f"  built in {t['build_s']:.1f} s; first (instrumented) step {t['first_step_s']:.2f} s",
+        "dispatcher)"
+    )
+    lines.append("")
+    if t["step_s"] is None:
+        lines.append(
+            f"time: not measured (--compute fake: shapes only; --compute real times the "
+            f"kernels); one step of this rank: {flops}"
+        )
+    else:
+        timed = f"median of {t['timed_steps']} timed" if t["timed_steps"] else "the instrumented"
+        lines += [
+            f"time: one step of this rank {t['step_s']:.2f} s ({timed} step"
+            f"{'s' if t['timed_steps'] != 1 else ''}), {flops}: {t['tflops']:.2f} TFLOP/s",
+            f"  the planner at that rate: step {planned.get('step_s', 0):.2f} s = compute "
+            f"{planned.get('compute_s', 0):.2f} + TP {planned.get('tp_s', 0):.2f} + exposed DP "
+            f"{planned.get('dp_exposed_s', 0):.2f} s (default links: NVLink 300 GB/s, "
+            "IB 25 GB/s)",
+        ]
+    step = "fake-compute" if r["compute"] == "fake" else "instrumented"
+    lines += [
+        f"  built in {t['build_s']:.1f} s; first ({step}) step {t['first_step_s']:.2f} s",
         "",
         "bytes sent per step by this rank (ring collectives)",
         f"  {'group':<6} {'measured':>12} {'planned':>12} {'ratio':>7}",
@@ -111,10 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             limit = parse_bytes(args.memory_limit, "--memory-limit") if args.memory_limit else None
         except ValueError as error:
             raise RehearsalError(str(error)) from None
-        request = Request(config, name, args.world, args.rank, args.steps, limit)
+        request = Request(config, name, args.world, args.rank, args.steps, limit, args.compute)
+        device = local_device()
+        if args.compute == "real":
+            print(real_compute_estimate(request, device), flush=True)
         # Refusals are raised before the fake world or any tensor exists (rehearsal.check);
         # an error during the run itself is a traceback, not a one-line refusal.
-        report = rehearse(request, local_device())
+        report = rehearse(request, device)
     except (RehearsalError, ConfigError, PlanError) as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2

@@ -66,6 +66,17 @@ def initial_values(
 
 
 @torch.no_grad()
+def buffers_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """The model's floating-point buffers in `dtype`. Not `model.to(dtype)`: the parameters
+    are copied into the buckets' flat tensors (a meta one replaced), and converting a
+    parameter under a FakeTensorMode (the rehearsal's fake compute) swaps the tensor, which
+    fails where the memory tracker holds a weak reference to it."""
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[key] = buffer.to(dtype)
+
+
 def materialise(
     model: nn.Module,
     bucket: FlatBucket,

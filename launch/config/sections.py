@@ -22,6 +22,10 @@ class ParallelConfig:
     # next forward, just before its first unit (Megatron's overlap-param-gather); false
     # waits for them all in the step. The same values either way.
     overlap_param_gather: bool = True
+    # Stages 0-2: consecutive units share one gradient/parameter bucket up to this many MiB
+    # (DeepSpeed's reduce_bucket_size, Megatron's bucket_size): fewer, larger collectives
+    # against a larger filling bucket. Stage 3 buckets unit by unit.
+    bucket_mb: float = 25.0
 
 
 @dataclass

@@ -22,6 +22,7 @@ def validate(config: Config) -> None:
         "model.seq_len": m.seq_len,
         "parallel.tp": p.tp,
         "parallel.recompute_every": p.recompute_every,
+        "parallel.bucket_mb": p.bucket_mb,
         "train.steps": t.steps,
         "train.global_batch_size": t.global_batch_size,
         "train.micro_batch_size": t.micro_batch_size,

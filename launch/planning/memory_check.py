@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from hybrid.engine import EngineConfig
 from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from launch.config import Config, ConfigError, validate, validate_layout
 from launch.planning.search import Model, layout_options, search
@@ -61,7 +60,7 @@ def _plan_args(
         reserve=reserve,
         backend="nccl" if device_type == "cuda" else "gloo",  # as hybrid.distributed.env picks
         hardware=Hardware(),  # only ranks fitting layouts by estimated step time
-        bucket_mb=EngineConfig.bucket_mb,  # the engine's, which launch.pretrain keeps
+        bucket_mb=config.parallel.bucket_mb,  # the engine's (launch.train.setup)
         **dict.fromkeys(FREE_OPTIONS),
         **fixed,
     )

@@ -12,7 +12,14 @@ instrument outside the code under test:
   time, without instruments;
 - the bytes each collective would have moved: counted at torch's dispatcher
   (hybrid.instruments.dispatch_counters), next to the library's own CollectiveCounter.
-The first step runs under the instruments; later ones are timed bare.
+The first step runs under the instruments; later ones are timed bare. The step's window
+is a whole cycle of collectives: at stages 1-2 the parameter all-gathers the step issues
+and the next forward would wait for (overlap_param_gather) are waited for inside it.
+
+Two modes of compute, the same code path and categories: `fake` (the default of
+launch.rehearse) runs every op under torch's FakeTensorMode (hybrid.instruments.fake_compute):
+the allocations, FLOPs and collectives of the real run in seconds on any CPU, and no time;
+`real` runs the kernels, for the step's time and FLOP rate.
 
 Initial values are drawn with torch's generator, from the same distributions as GPT-2's
 initialisation, rather than the counter-based stream of a real run (which gives the same
@@ -28,6 +35,7 @@ import hashlib
 import statistics
 import time
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -36,6 +44,7 @@ from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine
 from hybrid.instruments.dispatch_counters import CollectiveTrace, FlopCount
 from hybrid.instruments.engine_memory import EngineMemoryTracker
+from hybrid.instruments.fake_compute import DeviceQueries, fake_compute
 from hybrid.instruments.fake_world import fake_world
 from hybrid.memory import Plan
 from hybrid.recompute import Recompute, RecomputePolicy
@@ -102,6 +111,8 @@ def check(request: Request, device: torch.device) -> Plan:
         plan = planned(request, device_type=device.type)
     except ValueError as error:
         raise RehearsalError(str(error)) from None
+    if request.compute == "fake":  # nothing is allocated: only the layout must be valid
+        return plan
     limit, source = (request.memory_limit, "--memory-limit")
     if limit is None:
         limit, source = free_memory(device)
@@ -131,25 +142,40 @@ def rehearse(request: Request, device: torch.device) -> dict[str, Any]:
     plan = check(request, device)
     with fake_world(request.world, request.rank):
         topology = Topology.build(request.config.parallel.tp, device.type)
-        measured = measure(request.config, topology, device, request.steps)
+        measured = measure(request.config, topology, device, request.steps, request.compute)
     return compare(request, plan, measured, device)
 
 
 def measure(
-    config: Config, topology: Topology, device: torch.device, steps: int = 2
+    config: Config,
+    topology: Topology,
+    device: torch.device,
+    steps: int = 2,
+    compute: str = "real",
 ) -> dict[str, Any]:
     """Build this rank's model and Engine under the instruments and run `steps` training
-    steps: the first instrumented, the others timed. The topology may be a fake world's
-    (a rehearsal) or a real job's (tests compare the two)."""
+    steps: the first instrumented, the others timed (`compute="fake"`: the first only, and
+    no time). The topology may be a fake world's (a rehearsal) or a real job's (tests
+    compare the two)."""
+    if compute not in ("real", "fake"):
+        raise ValueError(f"compute must be 'real' or 'fake', not {compute!r}")
+    with fake_compute() if compute == "fake" else nullcontext():
+        return _measure(config, topology, device, steps, compute == "fake")
+
+
+def _measure(
+    config: Config, topology: Topology, device: torch.device, steps: int, fake: bool
+) -> dict[str, Any]:
     t, p = config.train, config.parallel
+    cuda = device.type == "cuda" and not fake
     model_cfg, real_tokens = model_config(config)
     window = t.seq_len or model_cfg.seq_len
     tp = TensorParallel.from_topology(topology, t.seed, p.sequence_parallel, device)
     recompute = RecomputePolicy(Recompute(p.recompute), p.recompute_every)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         allocated = torch.cuda.memory_allocated(device)
-    tracker = EngineMemoryTracker()
+    tracker = EngineMemoryTracker(module_peaks=False)
     started = time.perf_counter()
     with tracker:
         model = RehearsalGPT(
@@ -178,7 +204,8 @@ def measure(
     trace = CollectiveTrace(names)
     flops = FlopCount()
     topology.counter.reset()
-    with tracker, flops, trace, warnings.catch_warnings():
+    shortcut = DeviceQueries() if fake else nullcontext()  # above the instruments
+    with tracker, flops, trace, shortcut, warnings.catch_warnings():
         # (Entering resets the tracker's peak to what is held now.) MemTracker's gradient
         # hook also fires for parameters whose gradient the engine's hook has taken.
         warnings.filterwarnings("ignore", message="Expected a tensor")
@@ -189,20 +216,23 @@ def measure(
             engine.backward(engine(inputs, targets))
         after_backward = tracker.categories("current")
         engine.step(t.lr)
-        if device.type == "cuda":
+        # The step's gathers still queued or in flight (stages 1-2, overlap_param_gather):
+        # the next forward would wait for them; here, so the window holds a whole cycle.
+        engine.wait_for_parameters()
+        if cuda:
             torch.cuda.synchronize(device)
         first_s = time.perf_counter() - tick
     peak = tracker.categories("peak")
     counter = {f"{kind} {group}": n for (kind, group), n in topology.counter.bytes.items()}
     allocator = None
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize(device)
         allocator = torch.cuda.max_memory_allocated(device) - allocated
     times = []
-    for _ in range(steps - 1):
+    for _ in range(0 if fake else steps - 1):  # fake compute has no time to measure
         tick = time.perf_counter()
         train_step(engine, batch(), t.lr, device)
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - tick)
     return {
@@ -219,7 +249,8 @@ def measure(
         "peak": peak,
         "allocator_peak": allocator,
         "first_step_s": first_s,
-        "step_s": statistics.median(times) if times else first_s,
+        "compute": "fake" if fake else "real",
+        "step_s": None if fake else statistics.median(times) if times else first_s,
         "timed_steps": len(times),
         "counted_flops": flops.flops,
         "collectives": {

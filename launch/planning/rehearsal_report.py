@@ -8,7 +8,7 @@ import torch
 
 from hybrid.instruments.engine_memory import CATEGORIES
 from hybrid.memory import Hardware, Plan
-from launch.planning.rehearsal_request import Request, model_config, planned
+from launch.planning.rehearsal_request import Request, model_config, planned, planned_step_flops
 from launch.planning.search import Model
 
 
@@ -52,13 +52,11 @@ def compare(
         }
         for name in (*CATEGORIES, "total")
     }
-    # FLOPs this rank executes in one step, as the planner counts them (recomputation's
-    # extra forward included): its compute time at 1 FLOP/s. Then the rate measured.
-    step_flops = (planned(request, Hardware(peak_flops=1.0, efficiency=1.0)).time or {})[
-        "compute_s"
-    ]
-    rate = step_flops / measured["step_s"]
-    at_rate = planned(request, Hardware(peak_flops=rate, efficiency=1.0)).time or {}
+    step_flops = planned_step_flops(request)  # then the rate measured
+    rate, at_rate = None, {}
+    if measured["step_s"] is not None:  # fake compute measures no time
+        rate = step_flops / measured["step_s"]
+        at_rate = planned(request, Hardware(peak_flops=rate, efficiency=1.0)).time or {}
     communication = {
         group: {
             "measured": measured["sent"].get(group, 0.0),
@@ -78,6 +76,7 @@ def compare(
         "layout": layout.describe(),
         "precision": layout.precision,
         "device": str(device),
+        "compute": measured["compute"],
         "peak_moment": plan.peak.name if plan.peak else None,
         "memory": memory,
         "built": measured["built"],
@@ -91,7 +90,7 @@ def compare(
             "flops": step_flops,
             "counted_flops": measured["counted_flops"],
             "flops_ratio": _ratio(measured["counted_flops"], step_flops),
-            "tflops": rate / 1e12,
+            "tflops": None if rate is None else rate / 1e12,
             "planned": {k: v for k, v in at_rate.items() if k != "mfu"},
         },
         "communication": communication,

@@ -30,6 +30,7 @@ class Request:
     rank: int
     steps: int = 2
     memory_limit: int | None = None  # None: this machine's free memory
+    compute: str = "fake"  # "fake": shapes only (memory, FLOPs, bytes); "real": also time
 
 
 def with_layers(config: Config, layers: int | None) -> Config:
@@ -57,7 +58,9 @@ def planned(request: Request, hardware: Hardware | None = None, device_type: str
     (the fake group, like NCCL, allocates nothing of its own)."""
     config = request.config
     model, _ = model_config(config)
-    layout = Layout(gpus=request.world, **layout_options(config))
+    layout = Layout(
+        gpus=request.world, bucket_mb=config.parallel.bucket_mb, **layout_options(config)
+    )
     args = Namespace(
         gpu_memory=None,
         reserve=RESERVE,
@@ -66,3 +69,9 @@ def planned(request: Request, hardware: Hardware | None = None, device_type: str
         device_type=device_type,
     )
     return Model(request.name, model, config.train.seq_len or model.seq_len).plan(layout, args)
+
+
+def planned_step_flops(request: Request) -> float:
+    """FLOPs this rank executes in one step, as the planner counts them (recomputation's
+    extra forward included): its compute time at 1 FLOP/s."""
+    return (planned(request, Hardware(peak_flops=1.0, efficiency=1.0)).time or {})["compute_s"]

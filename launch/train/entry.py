@@ -8,6 +8,7 @@ alike, so a bad config never leaves a half-started job behind.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from launch.data.mixture import check_sources
 from launch.data.shards import TokenShards, is_token_shards
 from launch.data.token_file import resolve_files
 from launch.data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
+from launch.observe.matmul_rate import slow_bf16_warning
 from launch.planning.memory_check import check_memory
 from launch.train.checkpointing import resume_candidate, verify_resume
 from launch.train.loop import train
@@ -101,6 +103,9 @@ def run(
     args = parse_args(argv, prog, description)
     try:
         config = read_config(args.config, args.overrides)
+        warning = slow_bf16_warning(config.train.precision) if _first_rank() else None
+        if warning is not None:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         dp = check_before_start(config, world_size_from_env())
         candidate = resume_candidate(config)  # its files' sizes; the hashes need the group
     except ConfigError as error:
@@ -126,6 +131,11 @@ def run(
     # its peers' collectives fail on the closed connection, and torchrun ends the job.
     shutdown(env)
     return code
+
+
+def _first_rank() -> bool:
+    """Rank 0 of a torchrun job (or a process on its own), before any process group."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def one_line(error: Exception) -> str:

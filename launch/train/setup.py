@@ -70,6 +70,7 @@ def engine_config(config: Config, dp: int) -> EngineConfig:
         weight_decay=t.weight_decay,
         grad_reduce_dtype=t.grad_reduce_dtype,
         overlap_param_gather=config.parallel.overlap_param_gather,
+        bucket_mb=config.parallel.bucket_mb,
     )
 
 

@@ -114,3 +114,27 @@ def test_vocab_smaller_than_tokenizer_is_refused(
     err = capsys.readouterr().err
     assert "model.vocab_size=256 is smaller than the tokenizer's 320 tokens" in err
     assert "Traceback" not in err
+
+
+def test_bf16_on_a_cpu_without_native_kernels_warns_at_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GEMM probe (launch.observe.matmul_rate) patched to report AVX2's rates: the run's
+    first line warns, before the checks (here a missing file stops it); fast bf16: silent."""
+    import torch
+
+    import launch.observe.matmul_rate as matmul_rate
+
+    rates = {torch.bfloat16: 0.8, torch.float32: 50.0}
+    monkeypatch.setattr(matmul_rate, "matmul_gflops", lambda dtype, *args, **kw: rates[dtype])
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", str(TINY_CONFIG), "train.precision=bf16", "data.files=[nope.txt]"]
+    assert pretrain.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "warning: bf16 matmul here: 0.8 GFLOP/s against 50.0 GFLOP/s in fp32 (no native bf16 "
+        "matrix kernels): this bf16 run will be slow here; train.precision=fp32 runs faster\n"
+    ), err
+    rates[torch.bfloat16] = 80.0
+    assert pretrain.main(argv) == 2
+    assert "warning" not in capsys.readouterr().err

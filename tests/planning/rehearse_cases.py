@@ -29,8 +29,8 @@ OVERRIDES = [
 STAGES = (0, 1, 2, 3)
 
 
-def config(stage: int) -> Config:
-    return load_config(preset_path("tiny"), [*OVERRIDES, f"parallel.zero_stage={stage}"])
+def config(stage: int, extra: tuple[str, ...] = ()) -> Config:
+    return load_config(preset_path("tiny"), [*OVERRIDES, f"parallel.zero_stage={stage}", *extra])
 
 
 def real_job() -> list[dict[str, Any]]:

@@ -11,7 +11,9 @@ against the planner.
 - Communication: the bytes counted at torch's dispatcher equal the library's own
   CollectiveCounter's, and the ring bytes sent per step equal the planner's.
 - Refusals, before any process group or tensor exists: a rank outside the world, a world
-  not divisible by tp, a planned peak above the memory.
+  not divisible by tp, with real compute a planned peak above the memory.
+The rehearsals here run in the default mode, fake compute (test_rehearse_fake.py holds it
+against real compute); the timing test runs real compute.
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def test_collectives_counted_at_the_dispatcher_equal_ours_and_the_plan(rehearsed
             assert row["planned"] > 0 and abs(row["ratio"] - 1) <= 0.01, (key, group, row)
 
 
-def test_timing_and_flops_are_reported(rehearsed: dict) -> None:
-    report = rehearsed[0, 0]
+def test_timing_and_flops_are_reported() -> None:
+    report = rehearse(Request(config(0), "tiny", WORLD, 0, steps=2, compute="real"), CPU)
     t = report["time"]
+    assert t["timed_steps"] == 1
     assert t["step_s"] > 0 and t["tflops"] > 0
     assert 0.8 <= t["flops_ratio"] <= 1.2, t  # torch's formulas against the planner's
     assert t["planned"]["compute_s"] == pytest.approx(t["step_s"])
@@ -106,7 +109,10 @@ def test_tied_embedding_gradients_at_the_embedding_moment() -> None:
     [
         (["--world", "4", "--rank", "4"], "--rank 4 is outside a world of 4 ranks"),
         (["--world", "6"], "not divisible by tp=4"),
-        (["--world", "4", "--memory-limit", "20MiB"], "exceeds the 20.0 MiB --memory-limit"),
+        (
+            ["--world", "4", "--memory-limit", "20MiB", "--compute", "real"],
+            "exceeds the 20.0 MiB --memory-limit",
+        ),
     ],
 )
 def test_refusals_come_before_anything_is_allocated(
@@ -124,6 +130,7 @@ def test_refusals_come_before_anything_is_allocated(
 
 
 def test_too_large_a_model_is_told_how_many_layers_fit(capsys: pytest.CaptureFixture) -> None:
-    assert main(["--config", "turing-nlg-17b", "--world", "256", "--memory-limit", "4GiB"]) == 2
+    arguments = ["--config", "turing-nlg-17b", "--world", "256", "--compute", "real"]
+    assert main([*arguments, "--memory-limit", "4GiB"]) == 2
     err = capsys.readouterr().err
     assert "exceeds the 4.00 GiB --memory-limit; rehearse --layers" in err, err

@@ -1,0 +1,65 @@
+"""The real code path with the arithmetic skipped: torch's FakeTensorMode.
+
+    with fake_world(256, 255), fake_compute():
+        engine = Engine(model, ...)   # the real model, Engine, hooks, buckets, collectives
+        engine.backward(engine(inputs, targets)); engine.step(lr)
+
+Every tensor made inside is a FakeTensor: it has a shape, a dtype, a device and a storage
+of the right size, and every op computes its outputs' metadata without touching any
+value. So the allocations (what MemTracker files by category), the kernels' FLOP counts
+(torch's formulas, from shapes) and the collectives issued (their sizes) are those of the
+real run, while one step of a 17B rank costs the Python of its ops, not a day of bf16
+matrix products on a CPU without native kernels (launch.rehearse's default mode; torchtitan's
+memory estimator runs on the same mode).
+
+A value never exists, so the few places where Python reads one (`float(norm)`,
+`loss.item()`, `bool(overflow)`) get a stand-in: 1.0 for a float (a finite gradient norm,
+at which a clip threshold of 1 or more changes nothing), 0 for an integer, False for a
+bool (no fp16 overflow). The step then takes the path of a healthy training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class StandInScalars(TorchDispatchMode):
+    """A tensor read as a Python number gets a stand-in value (see the module docstring)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return False
+            return 1.0 if tensor.dtype.is_floating_point else 0
+        return func(*args, **(kwargs or {}))
+
+
+class DeviceQueries(TorchDispatchMode):
+    """`tensor.device` of a fake tensor, answered before the modes below see it.
+
+    Each such query is an op of its own (`prim.device`) that walks down the whole stack of
+    modes, the memory tracker's bookkeeping included, for an answer the tensor carries:
+    58% of a fake step's ops (bf16 LayerNorm's backward on CPU and autograd ask it most).
+    Entered last, above the instruments; it allocates nothing, so they miss nothing."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        if func is torch.ops.prim.device.default and isinstance(args[0], FakeTensor):
+            return args[0].fake_device
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def fake_compute() -> Iterator[None]:
+    """Every tensor made inside is fake (shapes, no values); modes entered inside it (the
+    memory tracker, FLOP and collective counters) see the ops first, as they would real ones.
+    `allow_non_fake_inputs`: a real tensor made before (the topology's, a constant) may
+    meet a fake one."""
+    with FakeTensorMode(allow_non_fake_inputs=True), StandInScalars():
+        yield
