@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.engine_config import DTYPES
 from launch.observe import matmul_rate
 from launch.planning.rehearsal_request import Request, planned_step_flops
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def real_compute_estimate(request: Request, device: torch.device) -> str:

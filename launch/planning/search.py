@@ -23,7 +23,7 @@ from hybrid.memory import (
     parse_count,
     plan,
 )
-from launch.config import Config, load_config, preset_names, preset_path
+from launch.config import Config, ConfigError, load_config, preset_names, preset_path
 from models.gpt import GPTConfig, count_parameters, flops_per_token, pad_vocab_size
 from models.gpt.accounting import (
     rank_parameters,
@@ -163,10 +163,11 @@ def layout_options(config: Config) -> dict[str, Any]:
 def read_config(name: str, overrides: list[str]) -> Config:
     path = Path(name)
     if not path.is_file():
-        if name not in preset_names():
+        try:
+            path = preset_path(name)
+        except ConfigError:
             presets = ", ".join(preset_names())
-            raise PlanError(f"unknown preset or config file {name!r}; presets: {presets}")
-        path = preset_path(name)
+            raise PlanError(f"unknown preset or config file {name!r}; presets: {presets}") from None
     return load_config(path, overrides)  # its layout is the default; checked again per plan
 
 
