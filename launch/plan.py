@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("fp32", "bf16"),
         help="gradient accumulation and reduction dtype (bf16: the 16-bit compute dtype)",
     )
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="engine bucket size (MiB)")
+    p.add_argument(
+        "--bucket-mb", type=float, help="engine bucket size (MiB; default: the config's, or 25)"
+    )
     p.add_argument(
         "--overlap-param-gather",
         action=argparse.BooleanOptionalAction,

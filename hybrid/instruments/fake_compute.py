@@ -1,6 +1,6 @@
 """The real code path with the arithmetic skipped: torch's FakeTensorMode.
 
-    with fake_world(256, 255), fake_compute():
+    with fake_world(256, 255), fake_compute(), MemTracker(), FakeAnswers():
         engine = Engine(model, ...)   # the real model, Engine, hooks, buckets, collectives
         engine.backward(engine(inputs, targets)); engine.step(lr)
 
@@ -29,10 +29,21 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class StandInScalars(TorchDispatchMode):
-    """A tensor read as a Python number gets a stand-in value (see the module docstring)."""
+class FakeAnswers(TorchDispatchMode):
+    """The two queries a fake tensor answers without a kernel, answered before the modes
+    below see them; entered last, above the instruments. Neither allocates, so the
+    instruments miss nothing, and each mode on the stack costs every op a Python call.
+
+    - `tensor.device` (`prim.device`): an op of its own that would walk down the whole
+      stack, the memory tracker's bookkeeping included, for an answer the tensor carries:
+      58% of a fake step's ops (autograd asks it most).
+    - a tensor read as a Python number (`_local_scalar_dense`): a stand-in value (see the
+      module docstring), which FakeTensorMode cannot give.
+    """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        if func is torch.ops.prim.device.default and isinstance(args[0], FakeTensor):
+            return args[0].fake_device
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
             if tensor.dtype == torch.bool:
@@ -41,25 +52,11 @@ class StandInScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class DeviceQueries(TorchDispatchMode):
-    """`tensor.device` of a fake tensor, answered before the modes below see it.
-
-    Each such query is an op of its own (`prim.device`) that walks down the whole stack of
-    modes, the memory tracker's bookkeeping included, for an answer the tensor carries:
-    58% of a fake step's ops (bf16 LayerNorm's backward on CPU and autograd ask it most).
-    Entered last, above the instruments; it allocates nothing, so they miss nothing."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        if func is torch.ops.prim.device.default and isinstance(args[0], FakeTensor):
-            return args[0].fake_device
-        return func(*args, **(kwargs or {}))
-
-
 @contextmanager
 def fake_compute() -> Iterator[None]:
     """Every tensor made inside is fake (shapes, no values); modes entered inside it (the
-    memory tracker, FLOP and collective counters) see the ops first, as they would real ones.
-    `allow_non_fake_inputs`: a real tensor made before (the topology's, a constant) may
-    meet a fake one."""
-    with FakeTensorMode(allow_non_fake_inputs=True), StandInScalars():
+    memory tracker, FLOP and collective counters) see the ops first, as they would real ones;
+    enter FakeAnswers innermost, above them. `allow_non_fake_inputs`: a real tensor made
+    before (the topology's, a constant) may meet a fake one."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
         yield

@@ -17,6 +17,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from launch.config import DataConfig
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 GPT2_DIR = ASSETS / "gpt2"
 END_OF_TEXT = "<|endoftext|>"
@@ -98,3 +100,13 @@ def _wrap(bpe: Tokenizer) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
     )
+
+
+def tokenizer_size(config: DataConfig) -> int:
+    """How many ids the configured tokenizer can produce, without training or tokenizing:
+    GPT-2's 50257, the `bpe` vocabulary size, or the folder's tokenizer length."""
+    if config.tokenizer == "gpt2":
+        return len(gpt2_tokenizer())
+    if config.tokenizer == "bpe":
+        return config.bpe_vocab_size
+    return len(load_tokenizer_folder(config.tokenizer))

@@ -44,7 +44,7 @@ from hybrid.distributed.topology import Topology
 from hybrid.engine import Engine
 from hybrid.instruments.dispatch_counters import CollectiveTrace, FlopCount
 from hybrid.instruments.engine_memory import EngineMemoryTracker
-from hybrid.instruments.fake_compute import DeviceQueries, fake_compute
+from hybrid.instruments.fake_compute import FakeAnswers, fake_compute
 from hybrid.instruments.fake_world import fake_world
 from hybrid.memory import Plan
 from hybrid.recompute import Recompute, RecomputePolicy
@@ -177,7 +177,7 @@ def _measure(
         allocated = torch.cuda.memory_allocated(device)
     tracker = EngineMemoryTracker(module_peaks=False)
     started = time.perf_counter()
-    with tracker:
+    with tracker, FakeAnswers() if fake else nullcontext():  # (above the instruments)
         model = RehearsalGPT(
             model_cfg, tp, recompute, t.seed, n_real_tokens=real_tokens, device="meta"
         )
@@ -204,8 +204,8 @@ def _measure(
     trace = CollectiveTrace(names)
     flops = FlopCount()
     topology.counter.reset()
-    shortcut = DeviceQueries() if fake else nullcontext()  # above the instruments
-    with tracker, flops, trace, shortcut, warnings.catch_warnings():
+    answers = FakeAnswers() if fake else nullcontext()  # above the instruments
+    with tracker, flops, trace, answers, warnings.catch_warnings():
         # (Entering resets the tracker's peak to what is held now.) MemTracker's gradient
         # hook also fires for parameters whose gradient the engine's hook has taken.
         warnings.filterwarnings("ignore", message="Expected a tensor")

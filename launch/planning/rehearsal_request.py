@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from launch.config import Config
+from launch.data.tokenizers import tokenizer_size
 from launch.planning.memory_check import run_model
 from launch.planning.search import GPT2_TOKENS, Model, layout_options
-from launch.train.entry import tokenizer_size
 from models.gpt import GPTConfig
 
 # Kept free beside the planned peak: the process itself (torch's libraries, the CUDA
@@ -48,7 +48,7 @@ def model_config(config: Config) -> tuple[GPTConfig, int]:
     """The model this rank builds, its vocabulary sized from the tokenizer as a run sizes
     it (launch.planning.memory_check.run_model), and the number of real token ids, among which the
     synthetic tokens are drawn."""
-    n_tokens = GPT2_TOKENS if config.data.tokenizer == "gpt2" else tokenizer_size(config)
+    n_tokens = GPT2_TOKENS if config.data.tokenizer == "gpt2" else tokenizer_size(config.data)
     model = run_model(config, n_tokens)
     return model, min(n_tokens, model.vocab_size or n_tokens)
 

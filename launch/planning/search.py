@@ -124,8 +124,12 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         defaults = {"tp": 1, "zero_stage": 0, "sequence_parallel": False, "recompute": "none"}
         defaults |= {"recompute_every": 1, "micro_batch": 1, "global_batch": None}
         defaults |= {"precision": "bf16", "grad_reduce_dtype": "fp32", "overlap_param_gather": True}
+        if args.bucket_mb is None:
+            args.bucket_mb = Layout.bucket_mb  # the engine's default
         return model, defaults
     config = read_config(args.config, args.overrides)
+    if args.bucket_mb is None:  # the config's, as the run's engine takes it
+        args.bucket_mb = config.parallel.bucket_mb
     m, t = config.model, config.train
     if args.vocab is not None:
         m = dataclasses.replace(m, vocab_size=args.vocab)

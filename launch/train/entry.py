@@ -22,7 +22,7 @@ from launch.data.hf_folders import check_hf_folders
 from launch.data.mixture import check_sources
 from launch.data.shards import TokenShards, is_token_shards
 from launch.data.token_file import resolve_files
-from launch.data.tokenizers import gpt2_tokenizer, load_tokenizer_folder
+from launch.data.tokenizers import tokenizer_size
 from launch.observe.matmul_rate import slow_bf16_warning
 from launch.planning.memory_check import check_memory
 from launch.train.checkpointing import resume_candidate, verify_resume
@@ -63,7 +63,7 @@ def check_before_start(config: Config, world_size: int) -> int:
             if path.is_file() and path.stat().st_size == 0:
                 raise ValueError(f"data.files: {path} is empty; give files that hold text")
         check_sources(config.data)  # a mixture's files: present and not empty
-        n_tokens = tokenizer_size(config)
+        n_tokens = tokenizer_size(config.data)
         if is_token_shards(paths[0]):
             check_token_shards(paths[0], n_tokens, Path(config.data.cache_dir).expanduser())
         check_hf_folders(config.data)  # datasets folders: data files, a column, rows; ids later
@@ -80,16 +80,6 @@ def check_before_start(config: Config, world_size: int) -> int:
         raise ConfigError("train.precision=fp16 needs a CUDA device; use bf16 or fp32 on CPU")
     check_memory(config, world_size, n_tokens)  # last: it plans a layout the checks accept
     return dp
-
-
-def tokenizer_size(config: Config) -> int:
-    """How many ids the configured tokenizer can produce, without training or tokenizing:
-    GPT-2's 50257, the `bpe` vocabulary size, or the folder's tokenizer length."""
-    if config.data.tokenizer == "gpt2":
-        return len(gpt2_tokenizer())
-    if config.data.tokenizer == "bpe":
-        return config.data.bpe_vocab_size
-    return len(load_tokenizer_folder(config.data.tokenizer))
 
 
 @record  # torchrun reports the failing rank's traceback as the job's root cause

@@ -32,10 +32,13 @@ class RMSNorm(nn.Module):
 
 
 # Rows are normalised in this many pieces, so the fp32 temporaries (input, output and
-# their gradients: 16 bytes an element) live for one piece at a time. Measured by
-# MemTracker (tests/model/test_norms.py): forward and backward peak about 4 bytes an element
-# above torch's own bf16 LayerNorm (one piece: 18).
-PIECES = 8
+# their gradients: 16 bytes an element) live for one piece at a time. Measured by MemTracker
+# (tests/model/test_norms.py), forward and backward peak above torch's own bf16 LayerNorm, in
+# bytes an element: 14 in one piece, 8 in 2, 5 in 4, 3.5 in 8. Each piece costs about 15
+# ops (forward and backward), a third of a bf16 layer's ops on CPU: 4 pieces, not 8, make a
+# fake-compute rehearsal of gpt3-175b's rank a third faster for 1.5 bytes an element of a
+# transient.
+PIECES = 4
 
 
 class _LayerNormInFP32(torch.autograd.Function):
@@ -43,9 +46,10 @@ class _LayerNormInFP32(torch.autograd.Function):
 
     Only the 16-bit input (and the parameters) are saved, as torch's own LayerNorm saves it,
     so a bf16 model's activation memory does not grow; backward casts it to fp32 again and
-    differentiates an fp32 LayerNorm, a piece of the rows at a time (PIECES), summing the
-    weight and bias gradients over the pieces in fp32. The statistics are not saved: two
-    (s, b) fp32 vectors would buy back only one cheap row reduction.
+    runs fp32 LayerNorm's kernels (forward for the statistics, then backward), a piece of the
+    rows at a time (PIECES), summing the weight and bias gradients over the pieces in fp32.
+    The statistics are not saved: two (s, b) fp32 vectors would buy back only one cheap row
+    reduction.
     """
 
     @staticmethod
@@ -65,26 +69,27 @@ class _LayerNormInFP32(torch.autograd.Function):
         width = x.shape[-1]
         rows, grad_rows = x.reshape(-1, width), grad_out.reshape(-1, width)
         grad_x = torch.empty_like(rows)
-        params = [
-            None if t is None else t.detach().float().requires_grad_() for t in (weight, bias)
-        ]
-        wanted = [t for t in params if t is not None]
-        sums = [torch.zeros_like(t) for t in wanted]
+        params = [None if t is None else t.detach().float() for t in (weight, bias)]
+        wanted = [t is not None for t in params]
+        sums = [torch.zeros_like(t) for t in params if t is not None]
         pieces = zip(
             rows.tensor_split(PIECES),
             grad_rows.tensor_split(PIECES),
             grad_x.tensor_split(PIECES),
             strict=True,
         )
+        # The kernels autograd would run for an fp32 F.layer_norm (its forward for the
+        # statistics, then its backward), called directly: no graph to build per piece.
         for piece, grad_piece, into in pieces:
-            piece = piece.float().requires_grad_()
-            with torch.enable_grad():
-                y = F.layer_norm(piece, (width,), *params, ctx.eps)
-            grads = torch.autograd.grad(y, [piece, *wanted], grad_piece.float())
+            piece = piece.float()
+            mean, rstd = torch.ops.aten.native_layer_norm(piece, (width,), *params, ctx.eps)[1:]
+            grads = torch.ops.aten.native_layer_norm_backward(
+                grad_piece.float(), piece, (width,), mean, rstd, *params, [True, *wanted]
+            )
             into.copy_(grads[0])
-            for total, grad in zip(sums, grads[1:], strict=True):
+            for total, grad in zip(sums, [g for g in grads[1:] if g is not None], strict=True):
                 total += grad
-            del y, grads  # before the next piece's are made
+            del piece, mean, rstd, grads  # before the next piece's are made
         sums_left = iter(sums)
         grad_params = [None if t is None else next(sums_left).to(t.dtype) for t in (weight, bias)]
         return grad_x.view(x.shape), *grad_params, None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from checkpoint_cases import build, train_steps
 from tp_cases import in_process_group
 
 from hybrid.checkpoint.engine_state import gather_full_states, load_checkpoint, save_engine
+from hybrid.checkpoint.hashing import HashingWriter
 from hybrid.checkpoint.saver import CheckpointWriter
 
 # torch.distributed's collectives, object ones included (those do not reach the dispatcher,
@@ -61,19 +63,40 @@ def count_save_collectives(root: str) -> dict[str, Any]:
     return in_process_group(work)
 
 
+@contextlib.contextmanager
+def writes_held(release: threading.Event) -> Iterator[None]:
+    """Every shard write (in the background thread of an asynchronous save) waits for
+    `release`: the bytes are written after training has gone on, whatever the machine's
+    speed, so a save that wrote the live tensors and not its staged copy is always seen."""
+    original = HashingWriter.write_data
+
+    def held(self: HashingWriter, *args: Any, **kwargs: Any) -> Any:
+        assert release.wait(timeout=120), "the training steps never released the write"
+        return original(self, *args, **kwargs)
+
+    HashingWriter.write_data = held
+    try:
+        yield
+    finally:
+        HashingWriter.write_data = original
+
+
 def save_while_training(root: str, asynchronous: bool) -> dict[str, Any]:
-    """Train 2 steps, save step 2 (in the background when `asynchronous`), train 2 more
-    before waiting, then load the checkpoint into a fresh engine: it must hold the state
-    of step 2, not of the steps trained while it was written."""
+    """Train 2 steps, save step 2 (in the background when `asynchronous`, its writes held
+    until), train 2 more before waiting, then load the checkpoint into a fresh engine: it
+    must hold the state of step 2, not of the steps trained while it was written."""
 
     def work() -> dict[str, Any]:
         engine, topology = build(1, 3, seed=3)
         train_steps(engine, topology, range(2))
         at_save = gather_full_states(engine)
         writer = CheckpointWriter(asynchronous)
-        folder = writer.save(engine, Path(root), 2, {"adam_steps": engine.adam_steps}, {}, 1)
-        train_steps(engine, topology, range(2, 4))
-        assert writer.wait() in (None, folder)
+        release = threading.Event()
+        with writes_held(release) if asynchronous else contextlib.nullcontext():
+            folder = writer.save(engine, Path(root), 2, {"adam_steps": engine.adam_steps}, {}, 1)
+            train_steps(engine, topology, range(2, 4))
+            release.set()
+            assert writer.wait() in (None, folder)
         writer.close()
         fresh, _ = build(1, 3, seed=99)
         load_checkpoint(fresh, folder)

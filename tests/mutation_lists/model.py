@@ -143,7 +143,7 @@ MUTATIONS = [
     Mutation(
         "normalise all rows at once: fp32 temporaries of the whole input",
         "models/gpt/norms.py",
-        "PIECES = 8",
+        "PIECES = 4",
         "PIECES = 1",
         ("tests/model/test_norms.py::test_bf16_peak_is_near_torchs_layer_norm",),
     ),
