@@ -36,7 +36,7 @@ class FakeAnswers(TorchDispatchMode):
 
     - `tensor.device` (`prim.device`): an op of its own that would walk down the whole
       stack, the memory tracker's bookkeeping included, for an answer the tensor carries:
-      58% of a fake step's ops (autograd asks it most).
+      over half of a fake step's ops (autograd asks it most).
     - a tensor read as a Python number (`_local_scalar_dense`): a stand-in value (see the
       module docstring), which FakeTensorMode cannot give.
     """
