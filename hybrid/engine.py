@@ -71,7 +71,9 @@ class Engine:
         config: EngineConfig,
         units: list[nn.Module] | None = None,
         device: torch.device | None = None,
+        values: Any = None,
     ) -> None:
+        # values: gives a meta parameter's initial values by name (the model by default).
         check_engine_config(config)
         self.module, self.topology, self.tp, self.config = model, topology, tp, config
         self.dtype = DTYPES[config.precision]
@@ -92,7 +94,7 @@ class Engine:
 
         units = list(units or [])
         self._build_buckets(units)
-        self._materialise()
+        self._materialise(model if values is None else values)
         self.optimizer = make_adamw(
             self.states, self.buckets, config.weight_decay, config.betas, config.eps, self.device
         )
@@ -108,13 +110,13 @@ class Engine:
         max_numel = max_bucket_numel(self.stage, self.config.bucket_mb, element)
         self.buckets = build_buckets(self.module, units, dp_size, dp_rank, max_numel)
 
-    def _materialise(self) -> None:
+    def _materialise(self, values: Any) -> None:
         """Each bucket's flat storage on the device (a meta model is initialised here, shard
         by shard at stage 3); the parameters become views into it, found by `_where`."""
         model = self.module
         buffers_to(model, self.dtype)  # parameters move into the buckets' flat tensors
         dtype, device = self.dtype, self.device
-        self.states = [materialise(model, b, self.stage, dtype, device) for b in self.buckets]
+        self.states = [materialise(values, b, self.stage, dtype, device) for b in self.buckets]
         replace_meta_parameters(model, self.buckets, self.states)
         # After the replacement: a meta parameter's new Parameter is a new object.
         self._where = {

@@ -3,6 +3,9 @@
     torchrun --standalone --nproc_per_node N -m launch.finetune \
         --config configs/finetune.yaml init_from=<Hugging Face folder> [key=value ...]
 
+or any AutoModelForCausalLM folder (Qwen2, Mistral, Phi-3, Gemma, ...) as it is, at tp=1
+with ZeRO 0-3, with `model_source=hf` (models.hf_native).
+
 The model's shape and weights come from the folder (config.json, model.safetensors or
 pytorch_model.bin read with weights_only=True); each rank keeps only its TP and ZeRO shard.
 So does the tokenizer, when the folder has one (`data.tokenizer` may name another folder).
@@ -25,11 +28,20 @@ from models.gpt import GPTConfig
 from models.gpt.hf.folder import read_hf_config
 
 
-def read_pretrained_model(folder: str) -> GPTConfig:
-    """The model config of a Hugging Face folder, checked before anything starts."""
+def read_pretrained_model(folder: str, source: str = "gpt") -> GPTConfig:
+    """The model config of a Hugging Face folder, checked before anything starts. With
+    model_source=hf the model is not converted: only its longest sequence and vocabulary
+    fill the model section (train.seq_len and the tokenizer are checked against them),
+    after the model was built on meta and the folder's weights checked against it."""
     try:
+        if source == "hf":
+            from models.hf_native.causal_lm import HFCausalLM
+
+            model = HFCausalLM(folder)
+            longest = getattr(model.hf_config, "max_position_embeddings", None) or 2**20
+            return GPTConfig(seq_len=longest, vocab_size=model.config.vocab_size)
         return read_hf_config(folder)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, OSError) as error:
         raise ConfigError(f"init_from: {error}") from None
 
 

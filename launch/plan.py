@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="a YAML file or a preset name from configs/")
     source.add_argument("--params", help="a bare parameter count, e.g. 7.5e9 or 175B")
+    source.add_argument(
+        "--hf", help="a Hugging Face model folder (config.json), trained as it is (tp=1)"
+    )
     p.add_argument("overrides", nargs="*", help="config key=value, e.g. model.seq_len=2048")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job (dp x tp)")
     p.add_argument("--gpu-memory", help="memory of one GPU with its unit: 32GiB, 80GB")

@@ -16,6 +16,7 @@ Padding, zero and gradient-free, joins the last segment.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,9 +161,14 @@ def build_buckets(
     parameters, so a layout can be planned for any dp without memory."""
     names = {id(p): name for name, p in model.named_parameters()}
     split = set(parameter_shards(model))
-    in_units = {id(p) for unit in units for p in unit.parameters()}
+    # A parameter shared by two units (tied across blocks) joins bucket 0, held through
+    # the whole forward and backward, so it is laid out (and stepped on) once.
+    owners = Counter(id(p) for unit in units for p in unit.parameters())
+    in_units = {key for key, count in owners.items() if count == 1}
     groups = [[(names[id(p)], p) for p in model.parameters() if id(p) not in in_units]]
-    per_unit = [[(names[id(p)], p) for p in unit.parameters()] for unit in units]
+    per_unit = [
+        [(names[id(p)], p) for p in unit.parameters() if id(p) in in_units] for unit in units
+    ]
     numels = [sum(p.numel() for _, p in params) for params in per_unit]
     for indices in group_units(numels, max_numel):
         groups.append([item for i in indices for item in per_unit[i]])

@@ -35,6 +35,21 @@ from hybrid.distributed.comm import Group, Handle
 from hybrid.zero.bucket import FlatBucket
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tree_leaves(output: Any) -> list[Any]:
+    """The leaves of a module's output: tensors in tuples, lists and mappings (a Hugging
+    Face ModelOutput is a mapping)."""
+    if isinstance(output, (tuple, list)):
+        return [leaf for item in output for leaf in tree_leaves(item)]
+    if isinstance(output, dict):
+        return [leaf for item in output.values() for leaf in tree_leaves(item)]
+    return [output]
+
+
 def storage_bytes(tensor: torch.Tensor) -> int:
     """Bytes the tensor's storage holds now (0 once freed)."""
     return tensor.untyped_storage().nbytes()
@@ -71,16 +86,35 @@ class ParameterGatherer:
             self.gather(index)
             self.prefetch(following)
 
-        def after_forward(index: int, output: Any, backward_next: int) -> None:
-            self.free(index)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda grad: (before(index, backward_next), grad)[1])
+        def before_forward(index: int, following: int) -> None:
+            # Inside backward this forward is a recomputation (see after_forward): the
+            # gradient hook that started the bucket's backward gathered it and prefetches
+            # in backward's direction, so nothing is prefetched forward from here.
+            if in_backward():
+                self.gather(index)
+            else:
+                before(index, following)
 
-        model.register_forward_pre_hook(lambda m, a: before(0, 1 if units else -1))
+        def after_forward(index: int, output: Any, backward_next: int) -> None:
+            # A unit's forward run again inside backward (a model's own checkpointing, e.g.
+            # Hugging Face's gradient_checkpointing_enable, re-enters the module's hooks) is
+            # recomputation: its backward reads the parameters next, so they stay gathered
+            # (freed here, the output's hook below would gather them again: a wasted
+            # all-gather per layer; torch's non-reentrant checkpoint stops before this).
+            if in_backward():
+                return
+            self.free(index)
+            # Any output tensor's gradient marks the start of this bucket's backward (a
+            # model may return a tuple or a dict of them, e.g. Hugging Face's outputs).
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: (before(index, backward_next), grad)[1])
+
+        model.register_forward_pre_hook(lambda m, a: before_forward(0, 1 if units else -1))
         model.register_forward_hook(lambda m, a, out: after_forward(0, out, last))
         for index, unit in enumerate(units, start=1):
             backward_next = index - 1 if index > 1 else -1  # bucket 0 is already held
-            unit.register_forward_pre_hook(lambda m, a, i=index: before(i, i + 1))
+            unit.register_forward_pre_hook(lambda m, a, i=index: before_forward(i, i + 1))
             unit.register_forward_hook(
                 lambda m, a, out, i=index, n=backward_next: after_forward(i, out, n)
             )

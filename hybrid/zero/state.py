@@ -37,32 +37,34 @@ class BucketState:
         return self.param_flat if self.param_flat is not None else self.param_shard
 
 
-def initial_value(model: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
+def initial_value(source: Any, name: str, param: nn.Parameter) -> torch.Tensor:
     """A parameter's value: its data, or, for a parameter on the meta device, this TP
-    rank's slice of its initial value from the model (`model.initial_value(name)`)."""
+    rank's slice of its initial value from the source (`source.initial_value(name)`: the
+    model itself, or the values the Engine was given, e.g. hybrid.wrap's MetaInit)."""
     if param.device.type != "meta":
         return param.detach()
-    make = getattr(model, "initial_value", None)
+    make = getattr(source, "initial_value", None)
     if make is None:
         raise ValueError(
-            f"parameter {name} is on the meta device but {type(model).__name__} has no "
-            "initial_value(name) to materialise it; build the model on a real device"
+            f"parameter {name} is on the meta device but {type(source).__name__} has no "
+            "initial_value(name) to materialise it; build the model on a real device, or "
+            "wrap it with hybrid.wrap, which initialises a meta model shard by shard"
         )
     return make(name)
 
 
 def initial_values(
-    model: nn.Module, name: str, param: nn.Parameter, start: int, end: int
+    source: Any, name: str, param: nn.Parameter, start: int, end: int
 ) -> torch.Tensor:
     """Elements [start, end) of the flattened `initial_value`, as a 1-D tensor. For a meta
-    parameter the model is asked for just those (`model.initial_values(name, start, end)`,
-    which draws only them), else for the whole TP slice, then sliced."""
+    parameter the source is asked for just those (`source.initial_values(name, start,
+    end)`, which draws only them), else for the whole TP slice, then sliced."""
     if param.device.type != "meta":
         return param.detach().reshape(-1)[start:end]
-    make = getattr(model, "initial_values", None)
+    make = getattr(source, "initial_values", None)
     if make is not None:
         return make(name, start, end)
-    return initial_value(model, name, param).reshape(-1)[start:end]
+    return initial_value(source, name, param).reshape(-1)[start:end]
 
 
 @torch.no_grad()
@@ -78,7 +80,7 @@ def buffers_to(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def materialise(
-    model: nn.Module,
+    source: Any,
     bucket: FlatBucket,
     stage: int,
     dtype: torch.dtype,
@@ -87,13 +89,14 @@ def materialise(
     """Allocate the bucket's tensors on `device` and fill them from the parameters (or
     their initial values): all of them at stages 0-2, only this rank's shard at stage 3,
     so under stage 3 the full bucket never exists on one rank, and a model built on meta
-    computes (draws) only the elements of that shard. No gradient buffer is made here:
+    computes (draws) only the elements of that shard; `source` gives a meta parameter's
+    values (`initial_values`, see above). No gradient buffer is made here:
     the engine opens each bucket's at its first gradient, in `grad_dtype`."""
     if stage < 3:
         flat = torch.zeros(bucket.numel, dtype=dtype, device=device)
         for i, (name, p) in enumerate(zip(bucket.names, bucket.params, strict=True)):
             view = bucket.view(flat, i)
-            view.copy_(initial_value(model, name, p))
+            view.copy_(initial_value(source, name, p))
             if p.device.type != "meta":  # meta ones are replaced: replace_meta_parameters
                 p.data = view
         shard = bucket.shard(flat)
@@ -102,7 +105,7 @@ def materialise(
         shard = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
         # Only this rank's pieces are asked for: a seeded model draws 1/dp of its TP slice.
         for i, start, end, offset in bucket.pieces():
-            value = initial_values(model, bucket.names[i], bucket.params[i], start, end)
+            value = initial_values(source, bucket.names[i], bucket.params[i], start, end)
             shard[offset : offset + end - start] = value
     master = shard if dtype == torch.float32 else shard.float()
     state = BucketState(flat, shard, master, None, [False] * len(bucket.params))

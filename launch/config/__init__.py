@@ -74,13 +74,13 @@ def preset_path(name: str) -> Path:
 def load_config(
     path: str | Path | None,
     overrides: list[str] = (),
-    pretrained_model: Callable[[str], GPTConfig] | None = None,
+    pretrained_model: Callable[[str, str], GPTConfig] | None = None,
 ) -> Config:
     """Defaults, then the YAML file, then `key=value` overrides; returns a checked Config.
 
     With `pretrained_model` (fine-tuning) the model's shape is not the user's to choose:
-    it is read from the `init_from` folder by `pretrained_model(init_from)`, and of the
-    model section only `dropout` may be set.
+    it is read from the `init_from` folder by `pretrained_model(init_from, model_source)`,
+    and of the model section only `dropout` may be set.
     """
     tree: dict[str, Any] = {}
     if path is not None:
@@ -106,6 +106,11 @@ def load_config(
             "init_from is for fine-tuning: run `torchrun ... -m launch.finetune` "
             "(launch.pretrain starts from random weights; remove init_from)"
         )
+    elif tree.get("model_source", "gpt") != "gpt":
+        raise ConfigError(
+            "model_source is for fine-tuning a Hugging Face folder: run `torchrun ... -m "
+            "launch.finetune init_from=<folder>` (launch.pretrain trains our GPT; remove it)"
+        )
     config = build(Config, tree)
     if config.run_dir is None:
         config.run_dir = str(Path("runs") / (Path(path).stem if path else "default"))
@@ -116,7 +121,7 @@ def load_config(
 FINE_TUNABLE_MODEL_KEYS = ("dropout",)
 
 
-def _take_pretrained_model(tree: dict[str, Any], read: Callable[[str], GPTConfig]) -> None:
+def _take_pretrained_model(tree: dict[str, Any], read: Callable[[str, str], GPTConfig]) -> None:
     folder = tree.get("init_from")
     if not folder:
         raise ConfigError(
@@ -132,7 +137,8 @@ def _take_pretrained_model(tree: dict[str, Any], read: Callable[[str], GPTConfig
             f"model.{fixed[0]} cannot be set when fine-tuning: the model's shape comes from "
             f"{folder}/config.json (only model.dropout may be set); remove it"
         )
-    tree["model"] = dataclasses.asdict(read(str(folder))) | model
+    source = tree.get("model_source", "gpt")
+    tree["model"] = dataclasses.asdict(read(str(folder), source)) | model
 
 
 def valid_keys() -> list[str]:

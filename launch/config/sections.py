@@ -135,4 +135,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_dir: str | None = None  # default: runs/<config file name>
     init_from: str | None = None  # launch.finetune: the Hugging Face folder to start from
+    # launch.finetune: "gpt" converts the folder into our GPT (GPT-2 and Llama families, any
+    # tp); "hf" trains the transformers model as it is (any AutoModelForCausalLM, tp=1).
+    model_source: Literal["gpt", "hf"] = "gpt"
     dist_timeout_s: float = 600.0  # collective timeout before a stuck job is torn down

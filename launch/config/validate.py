@@ -114,11 +114,35 @@ def validate(config: Config) -> None:
             f"train.global_batch_size={t.global_batch_size} is not a multiple of "
             f"train.micro_batch_size={t.micro_batch_size}"
         )
+    if config.model_source == "hf":
+        _check_hf_native(config)
     try:  # the model's own rules (norms, grouped-query heads, MLP width, rotary) at this tp
         m.check()
         check_tp_shapes(m, p.tp, p.sequence_parallel)
     except ValueError as error:
         raise ConfigError(f"model.{error} (parallel.tp={p.tp})") from None
+
+
+def _check_hf_native(config: Config) -> None:
+    """A Hugging Face model trained as it is: data parallelism only, whole-layer
+    recomputation only (our selective recompute is a rewrite of our attention)."""
+    p = config.parallel
+    if p.tp != 1:
+        raise ConfigError(
+            f"model_source=hf trains the model as it is, with ZeRO over data parallelism "
+            f"only: parallel.tp={p.tp} needs our layers; set parallel.tp=1, or "
+            "model_source=gpt (GPT-2 and Llama families convert to our GPT)"
+        )
+    if p.recompute == "selective":
+        raise ConfigError(
+            "parallel.recompute=selective rewrites our attention; with model_source=hf use "
+            "recompute=full (each layer recomputed whole) or none"
+        )
+    if config.data.pack:
+        raise ConfigError(
+            "data.pack=true needs segment masks in attention, which a model trained as it "
+            "is lacks; set data.pack=false with model_source=hf"
+        )
 
 
 def _check_mixture(d: DataConfig) -> None:

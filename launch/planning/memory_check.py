@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import warnings
@@ -23,6 +24,7 @@ from hybrid.memory import Hardware, Layout, Plan, parse_bytes
 from launch.config import Config, ConfigError, validate, validate_layout
 from launch.planning.search import Model, layout_options, search
 from models.gpt import GPTConfig, pad_vocab_size
+from models.hf_native.causal_lm import HFCausalLM
 
 # On CUDA the device also holds what the planner's terms do not see (CUDA context, NCCL
 # buffers, fragmentation): launch.plan's default --reserve, added for the check only.
@@ -94,7 +96,20 @@ def planned_peak_bytes(config: Config, model: GPTConfig, gpus: int, device_type:
 
 
 def _planner_model(config: Config, model: GPTConfig) -> Model:
-    return Model("run", model, config.train.seq_len or model.seq_len)
+    window = config.train.seq_len or model.seq_len
+    if config.model_source == "hf":  # counted from the model itself, built on meta
+        return Model(str(config.init_from), None, window, native=native_model(config))
+    return Model("run", model, window)
+
+
+@functools.cache
+def _native(folder: str) -> HFCausalLM:
+    return HFCausalLM(folder, read_weights=False)
+
+
+def native_model(config: Config) -> HFCausalLM:
+    """The Hugging Face model of `init_from` on meta (weights not read), built once."""
+    return _native(str(config.init_from))
 
 
 def memory_limit(config: Config, device: torch.device) -> tuple[int, str] | None:

@@ -32,6 +32,12 @@ from models.gpt.accounting import (
     with_seq_len,
 )
 from models.gpt.model import check_tp_shapes
+from models.hf_native.accounting import (
+    native_flops_per_token,
+    native_rank_parameters,
+    native_shape,
+)
+from models.hf_native.causal_lm import HFCausalLM
 
 GPT2_TOKENS = 50257  # the gpt2 tokenizer; Megatron pads it to 50304 (pad_vocab_size)
 
@@ -52,19 +58,28 @@ def device_type(args: argparse.Namespace) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A preset's model (shape and parameters per tp), or a bare parameter count."""
+    """A preset's model (shape and parameters per tp), a Hugging Face model trained as it
+    is (`native`: built on meta, counted from its modules, tp=1), or a bare parameter
+    count."""
 
     name: str
     config: GPTConfig | None
     seq_len: int | None  # the training window
     count: int | None = None
+    native: HFCausalLM | None = None
 
     def parameters(self, tp: int) -> RankParameters:
+        if self.native is not None:
+            return native_rank_parameters(self.native)
         if self.config is None:
             return RankParameters.bare(self.count or 0, tp)
         return rank_parameters(self.config, tp)
 
     def check(self, layout: Layout) -> None:
+        if self.native is not None and (layout.tp != 1 or layout.sequence_parallel):
+            raise PlanError(
+                f"{self.name} is trained as it is (model_source=hf): tp=1 only (--tp {layout.tp})"
+            )
         if self.config is not None:
             try:
                 check_tp_shapes(
@@ -76,7 +91,12 @@ class Model:
     def plan(self, layout: Layout, args: argparse.Namespace) -> Plan:
         self.check(layout)
         shape = flops = model_flops = None
-        if self.config is not None:
+        if self.native is not None:
+            seq = self.seq_len or 1024
+            shape = native_shape(self.native, seq, device_type(args))
+            model_flops = native_flops_per_token(self.native, seq)
+            flops = native_flops_per_token(self.native, seq, layout.recompute == "full")
+        elif self.config is not None:
             shape = transformer_shape(self.config, self.seq_len, device_type(args))
             window = with_seq_len(self.config, self.seq_len)
             model_flops = flops_per_token(window)
@@ -95,6 +115,13 @@ class Model:
         )
 
     def describe(self) -> str:
+        if self.native is not None:
+            c = self.native.config
+            total = self.native_total()
+            return (
+                f"{self.name} ({c.model_type}, as it is): {format_count(total)} parameters, "
+                f"{c.n_layer} layers, d_model {c.d_model}, sequence {self.seq_len}"
+            )
         if self.config is None:
             return f"{format_count(self.count or 0)} parameters (a bare count: model states only)"
         c = self.config
@@ -103,6 +130,9 @@ class Model:
             f"{c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
             f"sequence {self.seq_len or c.seq_len}, vocabulary {c.vocab_size}"
         )
+
+    def native_total(self) -> int:
+        return native_rank_parameters(self.native).total if self.native is not None else 0
 
 
 def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
@@ -118,9 +148,11 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         inter_node_bandwidth=parse_bandwidth(args.inter_node_bandwidth, "--inter-node-bandwidth"),
         gpus_per_node=args.gpus_per_node,
     )
-    if args.params is not None:
-        count = parse_count(args.params, "--params")
-        model = Model("bare count", None, None, count)
+    if args.params is not None or getattr(args, "hf", None) is not None:
+        if args.params is not None:
+            model = Model("bare count", None, None, parse_count(args.params, "--params"))
+        else:
+            model = hf_model(args.hf, args.seq_len)
         defaults = {"tp": 1, "zero_stage": 0, "sequence_parallel": False, "recompute": "none"}
         defaults |= {"recompute_every": 1, "micro_batch": 1, "global_batch": None}
         defaults |= {"precision": "bf16", "grad_reduce_dtype": "fp32", "overlap_param_gather": True}
@@ -145,6 +177,17 @@ def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:
         m = dataclasses.replace(m, seq_len=window)
     name = Path(args.config).name.removesuffix(".yaml")  # stem would cut "gpt2-1.5b"
     return Model(name, m, window), layout_options(config)
+
+
+def hf_model(folder: str, seq_len: int | None) -> Model:
+    """A Hugging Face folder's model on meta, counted from its modules (config.json only:
+    no weight is read), at `seq_len` (default: 1024 or the model's limit if shorter)."""
+    try:
+        native = HFCausalLM(folder, read_weights=False)
+    except (OSError, ValueError) as error:
+        raise PlanError(f"--hf {folder}: {error}") from None
+    longest = getattr(native.hf_config, "max_position_embeddings", None) or 1024
+    return Model(Path(folder).name, None, seq_len or min(1024, longest), native=native)
 
 
 def layout_options(config: Config) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from launch.train.checkpointing import save as save_checkpoint
 from launch.train.outputs import generate_sample, summary_line, write_final_weights
 from launch.train.preemption import NonFiniteLoss, Preemption
 from launch.train.schedule import lr_at
-from launch.train.setup import build_model, engine_config, run_banner
+from launch.train.setup import build_model, engine_config, run_banner, run_utilization
 from launch.train.step import eval_steps, evaluate, train_step
 
 
@@ -143,12 +143,10 @@ def train(
     # twice on a rank (a model built on the device, then copied, peaked at 2x parameters).
     device = "meta"
     memory = PeakMemory(env.device, topology.world)  # baseline: what the run holds before it
-    model = build_model(config, len(data.tokenizer), tp, device, resume is not None)
+    model = build_model(config, len(data.tokenizer), tp, device, resume is not None, env.device)
+    # (model_source=hf: the planner counts the model itself, not its config)
     planned = planned_peak_bytes(config, model.config, env.world_size, env.device.type)
-    # The planner's model FLOPs per token and the device's peak, for each step's MFU.
-    utilization = Utilization.for_run(
-        model.config, window, env.world_size, t.peak_tflops, env.device
-    )
+    utilization = run_utilization(config, model, window, env)
     engine = Engine(
         model, topology, tp, engine_config(config, dp), units=list(model.blocks), device=env.device
     )
@@ -183,7 +181,7 @@ def train(
             rotate_old_metrics(run_dir)
         resolved = to_dict(config) | {"model": dataclasses.asdict(model.config)}
         (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
-        print(run_banner(config, model.config, topology, data.description, env), flush=True)
+        print(run_banner(config, model, topology, data.description, env), flush=True)
         tracker = Tracker(run_dir, config.tracking.wandb, resolved, t.steps, start_step)
 
     history: list[dict[str, Any]] = []

@@ -19,6 +19,7 @@ from launch.observe.tracking import format_count
 from launch.planning.memory_check import format_bytes
 from models.gpt import GPT
 from models.gpt.hf.export import write_hf_export
+from models.hf_native.causal_lm import HFCausalLM
 
 
 def write_final_weights(
@@ -34,9 +35,15 @@ def write_final_weights(
     model.safetensors, or a fine-tuning run's Hugging Face folder (sharded safetensors,
     converted tensor by tensor: models.gpt.hf.export)."""
     if config.init_from is not None and is_main:  # fine-tuned: a folder from_pretrained loads
-        write_hf_export(
+        if config.model_source == "hf":  # the transformers model, as it came
+            from models.hf_native.export import write_native_export as write
+
+            described = engine.module.hf_config
+        else:
+            write, described = write_hf_export, engine.module.config
+        write(
             run_dir / "hf",
-            engine.module.config,
+            described,
             full_tensor_layout(engine),
             engine.full_tensors(),
             extra_files=lambda folder: tokenizer.save_pretrained(str(folder)),
@@ -54,7 +61,10 @@ def write_final_weights(
 
 
 def generate_sample(
-    model: GPT, tokenizer: PreTrainedTokenizerBase, config: Config, device: torch.device
+    model: GPT | HFCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    config: Config,
+    device: torch.device,
 ) -> str | None:
     s = config.sample
     if s.tokens == 0:

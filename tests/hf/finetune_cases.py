@@ -76,3 +76,11 @@ def finetune_losses(runs: dict[str, list[str]]) -> dict[str, Any]:
         return results
     finally:
         shutdown(env)
+
+
+def refused(module: Any, overrides: list[str], capsys: Any) -> str:
+    """What `module.main` (launch.finetune or launch.pretrain) printed on stderr when it
+    refused the fine-tuning config plus `overrides` with exit code 2."""
+    code = module.main(["--config", str(FINETUNE_CONFIG), *overrides])
+    assert code == 2
+    return capsys.readouterr().err

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 
 import finetune_cases
 import pytest
@@ -131,12 +130,6 @@ def test_text_finetuning_resumes_exactly(
     assert vals[-1] < vals[0]
 
 
-def _run_main(module: ModuleType, overrides: list[str], capsys: pytest.CaptureFixture) -> str:
-    code = module.main(["--config", str(finetune_cases.FINETUNE_CONFIG), *overrides])
-    assert code == 2
-    return capsys.readouterr().err
-
-
 def test_bad_finetune_input_is_refused_clearly(
     llama: Path, records: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -144,27 +137,27 @@ def test_bad_finetune_input_is_refused_clearly(
     broken = tmp_path / "broken.jsonl"
     lines = records.read_text().splitlines()
     broken.write_text("\n".join([*lines[:4], '{"prompt": "x", "completion": 3}', *lines[4:]]))
-    err = _run_main(finetune, [*base, f"data.files=[{broken}]"], capsys)
+    err = finetune_cases.refused(finetune, [*base, f"data.files=[{broken}]"], capsys)
     assert f"{broken}:5: 'completion' must be a string" in err
 
     broken.write_text("\n".join([*lines[:2], '{"prompt": "x", ', *lines[2:]]))
-    assert f"{broken}:3: not valid JSON" in _run_main(
+    assert f"{broken}:3: not valid JSON" in finetune_cases.refused(
         finetune, [*base, f"data.files=[{broken}]"], capsys
     )
 
     missing = tmp_path / "nowhere"
-    err = _run_main(finetune, [*base, f"init_from={missing}"], capsys)
+    err = finetune_cases.refused(finetune, [*base, f"init_from={missing}"], capsys)
     assert f"init_from: {missing}: not a folder" in err
 
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
     (bert / "model.safetensors").write_bytes(b"")
-    assert "model_type 'bert' is not supported" in _run_main(
+    assert "model_type 'bert' is not supported" in finetune_cases.refused(
         finetune, [*base, f"init_from={bert}"], capsys
     )
 
-    err = _run_main(finetune, [*base, "model.n_layer=4"], capsys)
+    err = finetune_cases.refused(finetune, [*base, "model.n_layer=4"], capsys)
     assert "model.n_layer cannot be set when fine-tuning" in err
-    err = _run_main(pretrain, [f"init_from={llama}"], capsys)
+    err = finetune_cases.refused(pretrain, [f"init_from={llama}"], capsys)
     assert "init_from is for fine-tuning" in err

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mutation_lists import checkpoint, engine, launch, model, planning
+from mutation_lists import any_model, checkpoint, engine, launch, model, planning
 from mutation_lists.mutation import Mutation
 
 MUTATIONS: list[Mutation] = [
@@ -11,6 +11,7 @@ MUTATIONS: list[Mutation] = [
     *planning.MUTATIONS,
     *launch.MUTATIONS,
     *model.MUTATIONS,
+    *any_model.MUTATIONS,
 ]
 
 __all__ = ["MUTATIONS", "Mutation"]

@@ -11,40 +11,34 @@ arrives. What goes in which file is decided up front from the layout (names, sha
 dtypes are known before any byte is), and each file is streamed by
 hybrid.checkpoint.full_state.write_safetensors, header first.
 
-Shards follow save_pretrained's rule (huggingface_hub's split_torch_state_dict_into_shards)
-in stream order: fill a file until the next tensor would tip it over `max_shard_size`; a
-tensor larger than that gets a file of its own. One difference: a file is closed at such
-a large tensor instead of being continued after it, because a file is written front to
-back while the stream goes by (huggingface_hub holds everything and may fill a file from
-both sides of it). One file is named model.safetensors and has no index, as theirs.
-Everything is written into a hidden folder beside the target and renamed at the end, so
-a crash never leaves a half-written folder under the final name.
+Shards and the folder's atomic rename: models.hf_native.sharded_folder.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import re
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hybrid.checkpoint.full_state import SAFETENSORS_DTYPES, TensorLayout, write_safetensors
+from hybrid.checkpoint.full_state import SAFETENSORS_DTYPES, TensorLayout
 from models.gpt.config import GPTConfig
 from models.gpt.hf import families
 from models.gpt.hf.families import family_of
 from models.gpt.hf.layouts import PREFIX, links
+from models.hf_native.sharded_folder import (
+    DEFAULT_MAX_SHARD_SIZE,
+    new_folder,
+    parse_shard_size,
+    replace_folder,
+    write_weights,
+)
 
 Tensor = torch.Tensor
 
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-# huggingface_hub's parse_size_to_int: decimal units only ("5GB" is 5 * 10**9 bytes).
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "parse_shard_size", "source_order", "write_hf_export"]
 
 
 @dataclass(frozen=True)
@@ -55,28 +49,6 @@ class HFTensor:
     name: str
     source: str
     convert: Callable[[Tensor], Tensor]
-
-
-def parse_shard_size(size: int | str) -> int:
-    """Bytes for `max_shard_size` as save_pretrained reads it: an int, or a number with
-    KB, MB, GB or TB (powers of 10: "5GB" = 5 * 10**9, "500MB", "1.5GB")."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        text = str(size).strip()
-        match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMGT]B)", text, re.IGNORECASE)
-        if text.isdigit():
-            value = int(text)
-        elif match is None:
-            raise ValueError(
-                f"max shard size {size!r} cannot be read: give bytes or a number with KB, "
-                "MB, GB or TB, e.g. 5GB or 500MB"
-            )
-        else:
-            value = int(float(match[1]) * _UNITS[match[2].upper()])
-    if value <= 0:
-        raise ValueError(f"max shard size {size!r} must be positive, e.g. 5GB")
-    return value
 
 
 def hf_tensors(config: GPTConfig) -> list[HFTensor]:
@@ -122,31 +94,6 @@ def hf_layout(config: GPTConfig, layout: TensorLayout, dtype: torch.dtype | None
     return out
 
 
-def plan_shards(layout: TensorLayout, max_bytes: int) -> list[TensorLayout]:
-    """`layout` cut into consecutive files of at most `max_bytes` (a larger tensor alone)."""
-    shards: list[TensorLayout] = []
-    current: TensorLayout = []
-    size = 0
-    for entry in layout:
-        nbytes = _nbytes(entry)
-        if current and (nbytes > max_bytes or size + nbytes > max_bytes):
-            shards.append(current)
-            current, size = [], 0
-        current.append(entry)
-        size += nbytes
-        if nbytes > max_bytes:
-            shards.append(current)
-            current, size = [], 0
-    if current:
-        shards.append(current)
-    return shards
-
-
-def _nbytes(entry: tuple[str, tuple[int, ...], torch.dtype]) -> int:
-    _, shape, dtype = entry
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-
-
 def write_hf_export(
     path: str | Path,
     config: GPTConfig,
@@ -165,45 +112,15 @@ def write_hf_export(
     if dtype is not None and dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"dtype {dtype} cannot be stored in safetensors")
     out_layout = hf_layout(config, layout, dtype)
-    shards = plan_shards(out_layout, max_bytes)
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]  # fmt: skip
     hf_config = families.hf_config(config)
     hf_config.dtype = dtype or layout[0][2]
-    tmp = folder.parent / f".tmp-{folder.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = new_folder(folder)
     hf_config.save_pretrained(str(tmp))
-    stream = _converted(config, layout, tensors, dtype)
-    for name, shard in zip(names, shards, strict=True):
-        write_safetensors(tmp / name, shard, _take(stream, len(shard)))
-    if next(stream, None) is not None:
-        raise ValueError(f"{folder}: the stream has more tensors than the layout")
-    if len(shards) > 1:
-        index = {
-            "metadata": {
-                "total_parameters": sum(torch.Size(s).numel() for _, s, _ in out_layout),
-                "total_size": sum(_nbytes(entry) for entry in out_layout),
-            },
-            "weight_map": {e[0]: n for n, shard in zip(names, shards, strict=True) for e in shard},
-        }
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        (tmp / "model.safetensors.index.json").write_text(text)
+    write_weights(tmp, out_layout, _converted(config, layout, tensors, dtype), max_bytes)
     if extra_files is not None:
         extra_files(tmp)
-    _replace(tmp, folder)
+    replace_folder(tmp, folder)
     return folder
-
-
-def _take(stream: Iterator[tuple[str, Tensor]], n: int) -> Iterator[tuple[str, Tensor]]:
-    for _ in range(n):
-        item = next(stream, None)
-        if item is None:
-            return
-        yield item
-        del item  # before the next tensor is produced
 
 
 def _converted(
@@ -233,14 +150,3 @@ def _converted(
                 del ours  # a copy (a transpose, a cat) need not live beside its source
             yield part.name, converted
             del converted
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    """Rename the finished folder into place; an older folder of that name is moved aside
-    first and deleted only once the new one is there."""
-    old = final.parent / f".old-{final.name}"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
