@@ -66,7 +66,7 @@ MUTATIONS = [
     Mutation(
         "skip the stage-3 backward regather",
         "hybrid/zero/gather.py",
-        "output.register_hook(lambda grad: (before(index, backward_next), grad)[1])",
+        "tensor.register_hook(lambda grad: (before(index, backward_next), grad)[1])",
         "None",
         ("tests/zero/test_zero.py::test_stage_matches_adamw",),
     ),
@@ -110,7 +110,7 @@ MUTATIONS = [
     Mutation(
         "a rank draws every parameter in full at initialisation",
         "hybrid/zero/state.py",
-        '    make = getattr(model, "initial_values", None)',
+        '    make = getattr(source, "initial_values", None)',
         "    make = None",
         ("tests/model/test_meta_construction.py",),
     ),
