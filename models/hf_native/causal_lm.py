@@ -70,6 +70,19 @@ def build_on_meta(hf_config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 
 
+def units_of(hf: nn.Module) -> list[nn.Module]:
+    """The decoder layers and, when they are not tied, the token embedding before them and
+    the output layer after them, each a unit of its own: a large vocabulary's tables (Qwen2:
+    152k x 3584, twice) are then gathered at ZeRO-3 only around their own use, not for the
+    whole step as bucket 0 is. Tied, the one table is shared by two modules and stays in
+    bucket 0 (hybrid.zero.bucket lays out a parameter two units share once, there)."""
+    layers = find_units(hf)
+    embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    if head is None or head.weight is embedding.weight:
+        return layers
+    return [embedding, *layers, head]
+
+
 class HFCausalLM(nn.Module):
     def __init__(
         self,
@@ -85,9 +98,9 @@ class HFCausalLM(nn.Module):
         self.hf_config = read_hf_config(folder)
         self.hf = build_on_meta(self.hf_config)
         self.config = model_info(self.hf_config)
-        self.units = find_units(self.hf)  # a plain list: not registered a second time
-        if recompute:
-            recompute_units(self.units)
+        self.units = units_of(self.hf)  # a plain list: not registered a second time
+        if recompute:  # the layers: an embedding's lookup or the logits are not worth it
+            recompute_units(find_units(self.hf))
         # The model's own init fills the buffers (rotary frequencies) and, unless the
         # weights are read, the parameters; recording it on meta costs nothing.
         self._values: Any = MetaInit(self.hf, buffers_on or torch.device("cpu"))

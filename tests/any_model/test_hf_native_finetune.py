@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import finetune_cases
 import pytest
@@ -31,19 +32,26 @@ from launch.planning.memory_check import planned_peak
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def qwen2(small_corpus: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = finetune_cases.corpus_tokenizer(small_corpus, cache_dir)
+def qwen2_folder(folder: Path, tokenizer: Any, tied: bool) -> Path:
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tied, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
-    folder = tmp_path_factory.mktemp("qwen2")
     Qwen2ForCausalLM(config).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(small_corpus: Path, cache_dir: Path) -> Any:
+    return finetune_cases.corpus_tokenizer(small_corpus, cache_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return qwen2_folder(tmp_path_factory.mktemp("qwen2"), tokenizer, tied=True)
 
 
 def _overrides(folder: Path, corpus: Path, cache: Path, run_dir: Path) -> list[str]:
@@ -68,9 +76,13 @@ def _overrides(folder: Path, corpus: Path, cache: Path, run_dir: Path) -> list[s
     ]
 
 
+@pytest.mark.parametrize("tied", [True, False])
 def test_a_qwen2_folder_fine_tunes_as_it_is_resumes_exactly_and_exports(
-    qwen2: Path, small_corpus: Path, cache_dir: Path, tmp_path: Path
+    tied: bool, tokenizer: Any, small_corpus: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
+    """Tied, the one table is in bucket 0; untied, the embedding and the output layer are
+    units of their own (models.hf_native.causal_lm.units_of), gathered around their use."""
+    qwen2 = qwen2_folder(tmp_path / "model", tokenizer, tied)
     straight = _overrides(qwen2, small_corpus, cache_dir, tmp_path / "straight")
     stopped = _overrides(qwen2, small_corpus, cache_dir, tmp_path / "stopped")
     runs = {"straight": straight, "first": [*stopped, "train.stop_at=3"], "rest": stopped}
@@ -84,7 +96,7 @@ def test_a_qwen2_folder_fine_tunes_as_it_is_resumes_exactly_and_exports(
     # run's own last val_loss (the same logits, within fp32 rounding).
     exported = tmp_path / "straight" / "hf"
     model = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again on load
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied  # as saved
     config = read_finetune_config(str(finetune_cases.FINETUNE_CONFIG), straight)
     val = TokenWindows(prepare_data(config.data).val_tokens, 32)
     batches = validation_sets(val, 4, 2, 0, 1)[0][2]  # every rank's windows, in one process
