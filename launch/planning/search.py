@@ -116,8 +116,7 @@ class Model:
 
     def describe(self) -> str:
         if self.native is not None:
-            c = self.native.config
-            total = self.native_total()
+            c, total = self.native.config, native_rank_parameters(self.native).total
             return (
                 f"{self.name} ({c.model_type}, as it is): {format_count(total)} parameters, "
                 f"{c.n_layer} layers, d_model {c.d_model}, sequence {self.seq_len}"
@@ -130,9 +129,6 @@ class Model:
             f"{c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
             f"sequence {self.seq_len or c.seq_len}, vocabulary {c.vocab_size}"
         )
-
-    def native_total(self) -> int:
-        return native_rank_parameters(self.native).total if self.native is not None else 0
 
 
 def resolve(args: argparse.Namespace) -> tuple[Model, dict[str, Any]]:

@@ -81,16 +81,30 @@ def test_a_qwen2_folder_fine_tunes_as_it_is_resumes_exactly_and_exports(
     tied: bool, tokenizer: Any, small_corpus: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
     """Tied, the one table is in bucket 0; untied, the embedding and the output layer are
-    units of their own (models.hf_native.causal_lm.units_of), gathered around their use."""
+    units of their own (models.hf_native.causal_lm.units_of), gathered around their use,
+    and stages 0-2 without recomputation give stage 3's losses."""
     qwen2 = qwen2_folder(tmp_path / "model", tokenizer, tied)
     straight = _overrides(qwen2, small_corpus, cache_dir, tmp_path / "straight")
     stopped = _overrides(qwen2, small_corpus, cache_dir, tmp_path / "stopped")
     runs = {"straight": straight, "first": [*stopped, "train.stop_at=3"], "rest": stopped}
-    results = run_processes(finetune_cases.finetune_losses, 2, runs)[0]
-    assert results["ran"] == {"straight": [1, 2, 3, 4, 5, 6], "first": [1, 2, 3], "rest": [4, 5, 6]}
+    other_stages = {  # untied: stages 0-2 without recomputation, in the same job
+        f"stage {k}": [
+            *_overrides(qwen2, small_corpus, cache_dir, tmp_path / f"stage{k}"),
+            f"parallel.zero_stage={k}",
+            "parallel.recompute=none",
+            "sample.tokens=0",
+        ]
+        for k in ((0, 1, 2) if not tied else ())
+    }
+    results = run_processes(finetune_cases.finetune_losses, 2, runs | other_stages)[0]
+    ran = {name: results["ran"][name] for name in runs}
+    assert ran == {"straight": [1, 2, 3, 4, 5, 6], "first": [1, 2, 3], "rest": [4, 5, 6]}
     losses = [m["loss"] for m in results["straight"]]
     assert [m["loss"] for m in results["rest"]] == losses  # metrics.jsonl: steps 1-3, 4-6
     assert losses[-1] < losses[0] - 0.1, losses  # it learns: the comparison means something
+    for name in other_stages:  # the same losses as stage 3 with recomputation
+        got = [m["loss"] for m in results[name]]
+        assert got == pytest.approx(losses, rel=1e-5), (name, got, losses)
 
     # The export loads in transformers; its loss on the run's validation windows is the
     # run's own last val_loss (the same logits, within fp32 rounding).
