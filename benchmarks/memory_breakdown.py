@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--width", choices=sorted(WIDTHS), default="57m")
     parser.add_argument("--quick", action="store_true", help="the small model (3.3M)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's pairs")
+    parser.add_argument(
+        "--pairs", type=int, nargs="+", help="only these pairs, by their order here (0 first)"
+    )
     parser.add_argument("--python", default=sys.executable, help="interpreter of the jobs")
     parser.add_argument("--out", type=Path, help="default benchmarks/memory_breakdown[_W].md")
     parser.add_argument("--raw-dir", type=Path, help="keep each job's JSON and log here")
@@ -112,6 +115,8 @@ def main() -> None:
     header = ["system (phase of the peak)", "peak RSS above baseline", "MemTracker total"]
     text_pairs = []
     for n, (ours, peer) in enumerate(pairs(bench, deepspeed)):
+        if args.pairs is not None and n not in args.pairs:
+            continue
         results = []
         for k, spec in enumerate((ours, peer)):
             folder = raw / f"pair{n}" / f"job{k}"

@@ -6,7 +6,8 @@
     stats = engine.step(lr)
 
 ZeRO (Rajbhandari et al. 2020, section 5; DESIGN.md section 2), per DP group of one TP rank:
-- stage 0: everything replicated; gradients all-reduced once per step;
+- stage 0: everything replicated; gradients all-reduced once per step (at dp=1 in fp32,
+  autograd's own gradients are stepped on: no buffer, no copy, as in a plain loop);
 - stage 1: fp32 master weights and Adam moments only for this rank's 1/dp shard; gradients
   accumulated in full over the micro-batches, reduce-scattered during the last backward
   (each bucket's full buffer released once reduced, as at stage 2), the optimizer steps on
@@ -23,13 +24,12 @@ the bucket's first gradient and gone after the step at every stage, so (like a p
 with `zero_grad(set_to_none=True)`) no gradient lives through forward. Under bf16/fp16
 that buffer and the DP reduction are fp32 by default (`grad_reduce_dtype`); in fp32 the
 master *is* the parameter shard. DP reductions are issued asynchronously from the hooks:
-stage 0 waits at the end of backward; stages 1-3 wait, in each bucket's hook, for the one
-issued a bucket earlier (at most two full buffers in flight, ZeRO 5.2). With sequence
-parallelism the TP all-reduce of replicated parameters' gradients runs in the hook first.
+stage 0 waits at the end of backward; at stages 1-3 a bucket's first gradient waits for
+the one in flight before its buffer opens (one unit's full buffer at a time, ZeRO 5.2).
+With sequence parallelism the TP all-reduce of replicated gradients runs in the hook first.
 
-Construction, in order: check the config (hybrid.engine_config), build the buckets,
-materialise their flat storage, make the optimizer on the shards, attach the gradient
-hooks, attach the stage's parameter hooks (gather at 3, publish at 1-2).
+Construction: check the config (hybrid.engine_config), build the buckets, materialise
+their flat storage, make the optimizer on the shards, attach gradient and parameter hooks.
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ from hybrid.engine_config import (
     EngineConfig,
     StepStats,
     check_engine_config,
+    keeps_autograd_gradients,
 )
 from hybrid.tensor_parallel import TensorParallel
 from hybrid.zero.accounting import model_state_bytes, nbytes, transient_bytes
 from hybrid.zero.bucket import build_buckets, max_bucket_numel
 from hybrid.zero.full_model import gathered_full_tensors
 from hybrid.zero.gather import ParameterGatherer
-from hybrid.zero.gradients import any_overflow, global_grad_norm, master_gradients
+from hybrid.zero.gradients import any_overflow, global_grad_norm, step_gradients
 from hybrid.zero.optimizer import make_adamw
 from hybrid.zero.publish import ParameterPublisher
 from hybrid.zero.state import buffers_to, materialise, replace_meta_parameters
@@ -91,13 +92,12 @@ class Engine:
         self._pending: list[tuple[int, Handle, torch.Tensor, torch.Tensor]] = []
         self.peak_buffer_bytes = 0
         self.grad_bytes = 0  # gradient bytes held when the last backward ended
+        self.autograd_grads = keeps_autograd_gradients(config, self.dp.size, tp.sequence_parallel)
 
         units = list(units or [])
         self._build_buckets(units)
         self._materialise(model if values is None else values)
-        self.optimizer = make_adamw(
-            self.states, self.buckets, config.weight_decay, config.betas, config.eps, self.device
-        )
+        self.optimizer = make_adamw(self.states, self.buckets, config, device, self.autograd_grads)
         self._attach_gradient_hooks()
         self._attach_parameter_hooks(units)
 
@@ -126,16 +126,15 @@ class Engine:
     def _attach_gradient_hooks(self) -> None:
         """Every parameter's accumulated gradient goes to `_on_grad`."""
         # The hook holds the engine weakly: a parameter's hooks live where the garbage
-        # collector cannot see them, so a strong reference would keep every engine (and
-        # its shards) alive for as long as the model is, even after the engine is dropped.
+        # collector cannot see them; a strong reference would keep a dropped engine alive.
         engine = weakref.ref(self)
-        for p in self.module.parameters():
+        for p in [] if self.autograd_grads else self.module.parameters():
             p.register_post_accumulate_grad_hook(lambda param: engine()._on_grad(param))
 
     def _attach_parameter_hooks(self, units: list[nn.Module]) -> None:
-        """Stage 3 gathers each unit's parameters before its forward and backward and frees
-        them after (hybrid.zero.gather); stages 1-2 wait, before each unit's forward, for
-        the all-gather of its bucket that the step started (hybrid.zero.publish)."""
+        """Stage 3 gathers each unit's parameters around its forward and backward
+        (hybrid.zero.gather); stages 1-2 wait, before each unit's forward, for its bucket's
+        all-gather the step started (hybrid.zero.publish)."""
         model, device = self.module, self.device
         shards = [s.param_shard for s in self.states]
         self.gatherer: ParameterGatherer | None = None
@@ -190,6 +189,8 @@ class Engine:
         k, i = self._where[id(param)]
         bucket, state = self.buckets[k], self.states[k]
         if state.grad_flat is None:
+            if self.stage >= 1:  # the reduction before it ends first: one full buffer at once
+                self._drain(keep=0)
             state.grad_flat = torch.empty(bucket.numel, dtype=self.grad_dtype, device=self.device)
             self._note_buffers()
         view = bucket.view(state.grad_flat, i)
@@ -234,10 +235,9 @@ class Engine:
         self._note_buffers()
         if self.stage >= 1:
             # ZeRO-2's point is that full gradients never all exist at once (Rajbhandari
-            # et al. 5.2): wait for the reduction issued one bucket earlier (done by now,
-            # a layer's backward later) and free its full buffer, so at most two are in
-            # flight however many layers there are. Stage 1 does the same in its one
-            # reducing backward: after it, only the shards it steps on remain.
+            # et al. 5.2): the next bucket's first gradient waits for this reduction before
+            # opening its buffer (`_on_grad`); a bucket already open (the root's) waits
+            # here for the one before it. Stage 1 does the same in its reducing backward.
             self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
@@ -255,7 +255,8 @@ class Engine:
     def _finish_reductions(self) -> None:
         self._drain(keep=0)
         self._note_buffers()
-        held = (s.grad_flat if self.stage == 0 else s.grad_shard for s in self.states)
+        held = [s.grad_flat if self.stage == 0 else s.grad_shard for s in self.states]
+        held += [p.grad for p in self.module.parameters()] if self.autograd_grads else []
         self.grad_bytes = sum(nbytes(t) for t in held)
 
     # ---- the optimizer step ---------------------------------------------------------------
@@ -267,7 +268,9 @@ class Engine:
         self.wait_for_parameters()  # in fp32 the master stepped on is a gather's input
         if self.gatherer is not None:
             self.gatherer.check_idle()
-        grads = master_gradients(self.states, self.grad_dtype, self.loss_scale)
+        grads = step_gradients(
+            self.states, self.buckets, self.grad_dtype, self.loss_scale, self.autograd_grads
+        )
         if self.config.precision == "fp16" and any_overflow(
             grads, (self.dp, self.tp.group), self.device
         ):
@@ -277,9 +280,8 @@ class Engine:
             return StepStats(float("nan"), True, self.loss_scale)
         norm = global_grad_norm(self.states, self.stage, self.dp, self.tp.group, self.device)
         if not math.isfinite(norm):
-            # A NaN or inf gradient anywhere (the norm is reduced over DP and TP, so every
-            # rank sees it): no update, on every rank alike. The caller decides whether to
-            # go on (train.on_nonfinite).
+            # A NaN or inf gradient anywhere (the norm is reduced over DP and TP): no update,
+            # on every rank alike; the caller decides whether to go on (train.on_nonfinite).
             self._release_gradients()
             return StepStats(norm, True, self.loss_scale)
         if self.config.grad_clip > 0 and norm > self.config.grad_clip:
@@ -296,11 +298,9 @@ class Engine:
         return StepStats(norm, False, self.loss_scale)
 
     def _release_gradients(self) -> None:
-        """Drop every gradient of the step once it is used (or skipped): the master views'
-        `.grad` and, at stage 0, the full flat buffers too. Like a plain loop's
-        `zero_grad(set_to_none=True)`, nothing of the gradients then lives through the next
-        forward, on top of its activations; the next backward opens each bucket's buffer
-        again at its first gradient (`_on_grad`)."""
+        """Drop every gradient of the step once used (or skipped): the master views' `.grad`
+        and stage 0's flat buffers. As after a plain loop's `zero_grad(set_to_none=True)`,
+        no gradient lives through the next forward, on top of its activations."""
         self.optimizer.zero_grad(set_to_none=True)
         for state in self.states:
             state.grad_flat = None

@@ -55,3 +55,16 @@ def check_engine_config(config: EngineConfig) -> None:
             f"grad_reduce_dtype={config.grad_reduce_dtype!r} must be one of "
             f"{list(GRAD_REDUCE_DTYPES)}"
         )
+
+
+def keeps_autograd_gradients(config: EngineConfig, dp_size: int, sequence_parallel: bool) -> bool:
+    """Stage 0 with one DP rank has nothing to reduce: in fp32 autograd's own gradients are
+    the step's (the master is the parameter), as in a plain loop, so no bucket buffer opens
+    and no gradient is copied (hybrid.zero.gradients.autograd_gradients). Sequence
+    parallelism sums replicated parameters' gradients over TP in the buckets: kept there."""
+    return (
+        config.zero_stage == 0
+        and dp_size == 1
+        and config.precision == "fp32"
+        and not sequence_parallel
+    )

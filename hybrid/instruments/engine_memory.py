@@ -48,8 +48,8 @@ def engine_tensors(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
     """(category, tensor) for every tensor the engine holds now. Later entries win where
     two share a storage (stage 0 in fp32 steps on the gradient buffer itself)."""
     for p in engine.module.parameters():
-        if p.grad is not None:
-            yield "activations", p.grad
+        if p.grad is not None:  # the step's gradients where the engine keeps autograd's
+            yield ("gradients" if engine.autograd_grads else "activations"), p.grad
     for _, _, out, flat in engine._pending:
         yield "buffers", out
         yield "buffers", flat

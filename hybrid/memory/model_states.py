@@ -144,8 +144,9 @@ def buffer_bytes(
     The engine issues each bucket's reduction from gradient hooks as soon as the bucket
     is complete, in every backward at stages 2-3 and in the last one at stage 1:
     - stage 0: the all-reduce works in the persistent gradient buffer: nothing extra;
-    - stages 1-3: at most two buckets' reductions in flight (each a full gradient buffer
-      and its shard output): issuing bucket k waits for bucket k + 1's and frees it.
+    - stages 1-3: bucket k's buffer opens once bucket k + 1's reduction has ended (its
+      full buffer freed), so a unit bucket's full buffer is filled or reduced at a time,
+      beside the root bucket's (open from backward's first gradient to its last).
       Stage 3 adds the gathered parameters. Replayed event by event (`_backward_peak`);
     - stage 1 over several micro-batches: every bucket's full buffer, accumulating, when
       the last backward issues its first two reductions (`_accumulated_peak`).
@@ -172,9 +173,9 @@ def _backward_peak(numels: Sequence[int], shards: Sequence[int], grad: int, gath
 
     Bucket 0 (embeddings, final norm) opens its gradient buffer first (the final norm's
     or output layer's gradient comes first) and completes last (the token embedding's
-    comes last). For each unit bucket k from the last: its first gradient opens its
-    buffer; when complete it is reduce-scattered (a shard-sized output), and the
-    reduction issued before it (bucket k + 1's) is waited for and freed. At stage 3
+    comes last). For each unit bucket k from the last: its first gradient waits for the
+    reduction in flight (bucket k + 1's, freed) and opens its buffer; when complete it is
+    reduce-scattered (a shard-sized output). At stage 3
     backward starts with bucket 0 gathered and the last unit prefetched; the hook of unit
     k gathers k and prefetches k - 1, and k is freed once issued. (Forward holds at most
     bucket 0 and two units: never more than backward does.) Bytes: `grad` per gradient
@@ -186,7 +187,7 @@ def _backward_peak(numels: Sequence[int], shards: Sequence[int], grad: int, gath
     previous = 0  # the reduction still in flight: a full buffer and its shard output
     for k in range(n, 0, -1):
         following = gathered * numels[k - 1] if k > 1 else 0
-        open_now = grad * (numels[0] + numels[k]) + previous
+        open_now = grad * (numels[0] + numels[k])  # bucket k + 1's reduction ended first
         gathered_k = gathered * numels[k]
         peak = max(peak, open_now + root_gathered + gathered_k + following)
         peak = max(peak, open_now + grad * shards[k] + root_gathered + following)

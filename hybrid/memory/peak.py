@@ -199,7 +199,8 @@ class _Step:
 
     def _gather_copy(self, bucket: int) -> float:
         """gloo's staging of an all-gather's output (its own buffer of the output's size,
-        from the call until the wait): stage 3's prefetch of bucket `bucket`."""
+        from the call until the wait): stage 3's prefetch of bucket `bucket` in forward.
+        Backward's gathers exchange pairwise, straight into the buffer (hybrid.zero.gather)."""
         if self.layout.backend != "gloo" or self.layout.stage != 3:
             return 0.0
         return float(self.e * self.numels[bucket]) if 0 <= bucket < len(self.numels) else 0.0
@@ -264,6 +265,11 @@ class _Step:
             below -= self.kept[layer]
             previous = k - 1 if k > 1 else -1  # prefetched at stage 3 (bucket 0 is held)
             activations = below + self.working[layer] + self.flow
+            if stage >= 1 and self._opens(layer) and pending:
+                # The reduction in flight ends before bucket k's buffer opens (the engine's
+                # `_on_grad`): one full gradient buffer of the units at a time.
+                states += self.g * self.shards[k + 1] if new_shards else 0.0
+                pending = copy = 0.0
             buffers = held + self._open(k) + pending
             grads = self._kept_open(layer)  # stage 0's, kept to the step
             if self._opens(layer):
@@ -279,10 +285,7 @@ class _Step:
                     buffers -= opening
             name = f"backward, layer {layer}"
             gathered = (0, k, previous)
-            staged = self._gather_copy(previous)
-            moment = self._moment(
-                name, states + grads, activations, buffers + staged, gathered, copy + staged, held
-            )
+            moment = self._moment(name, states + grads, activations, buffers, gathered, copy, held)
             moments.append(moment)
             if stage >= 1 and (layer == 0 or self.bucket[layer - 1] != k):
                 # Bucket k complete: issued (stage 3 frees its gathered buffer), then the

@@ -102,6 +102,11 @@ class FlatBucket:
             if max(s.start, self.shard_start) < min(s.end, shard_end)
         ]
 
+    def parameter_segments(self) -> list[Segment]:
+        """One segment per parameter, in order, over the unsharded flat range."""
+        ends = [o + s.numel() for o, s in zip(self.offsets, self.shapes, strict=True)]
+        return [Segment(k, o, e) for k, o, e in zip(self.kinds, self.offsets, ends, strict=True)]
+
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter `index`'s view into a full flat tensor."""
         shape, offset = self.shapes[index], self.offsets[index]

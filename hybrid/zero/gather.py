@@ -127,10 +127,13 @@ class ParameterGatherer:
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         self._held.add(index)
         with torch.autograd._unsafe_preserve_version_counter(flat):
-            # gloo's own all-gather: this one is waited for a unit later, on forward's
-            # critical path, where the pairwise exchange measured slower (hybrid.distributed.comm).
+            # Forward: gloo's own all-gather, waited for a unit later on forward's critical
+            # path, where the pairwise exchange measured slower (hybrid.distributed.comm).
+            # Backward: the pairwise exchange, which receives straight into the buffer
+            # where gloo's stages a copy of it (a whole bucket more at backward's peak),
+            # and has a unit's backward, twice its forward, to run in.
             self._inflight[index] = self.group.all_gather_into(
-                flat, self.shards[index], gloo_own=True
+                flat, self.shards[index], gloo_own=not in_backward()
             )
 
     def gather(self, index: int) -> None:

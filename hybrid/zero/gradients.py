@@ -15,7 +15,23 @@ import torch
 import torch.distributed as dist
 
 from hybrid.distributed.comm import Group
+from hybrid.zero.bucket import FlatBucket
 from hybrid.zero.state import BucketState
+
+
+def step_gradients(
+    states: Sequence[BucketState],
+    buckets: Sequence[FlatBucket],
+    grad_dtype: torch.dtype,
+    loss_scale: float,
+    autograd: bool,
+) -> list[torch.Tensor]:
+    """The gradients the step uses, set as the master views' `.grad`: autograd's own when
+    the engine keeps them (`autograd`: its optimizer is then per parameter), else the
+    reduced shards."""
+    if autograd:
+        return autograd_gradients(states, buckets)
+    return master_gradients(states, grad_dtype, loss_scale)
 
 
 def master_gradients(
@@ -37,6 +53,22 @@ def master_gradients(
         for segment, view in state.master_segments:
             view.grad = grad[segment.start : segment.end]
         state.grad_shard = None
+    return grads
+
+
+def autograd_gradients(
+    states: Sequence[BucketState], buckets: Sequence[FlatBucket]
+) -> list[torch.Tensor]:
+    """Stage 0 at dp=1 in fp32 (hybrid.engine's `autograd_grads`): each parameter's own
+    autograd gradient, flattened without a copy, becomes its per-parameter master view's
+    `.grad`, and the parameter lets it go (zero where backward gave none)."""
+    grads = []
+    for state, bucket in zip(states, buckets, strict=True):
+        for param, (_, view) in zip(bucket.params, state.master_segments, strict=True):
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            view.grad = grad.reshape(-1)  # a view: autograd's are contiguous
+            param.grad = None
+            grads.append(view.grad)
     return grads
 
 

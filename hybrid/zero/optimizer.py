@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hybrid.engine_config import EngineConfig
 from hybrid.zero.bucket import FlatBucket
 from hybrid.zero.state import BucketState
 
@@ -14,17 +15,19 @@ from hybrid.zero.state import BucketState
 def make_adamw(
     states: Sequence[BucketState],
     buckets: Sequence[FlatBucket],
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
+    config: EngineConfig,
     device: torch.device,
+    per_parameter: bool = False,
 ) -> torch.optim.Optimizer:
-    """torch AdamW over the master shard's kind segments: decay and no-decay groups.
-    Its update is elementwise, so stepping a slice of the flat shard is stepping the
-    parameters it cuts through (the same arithmetic as on whole tensors)."""
+    """torch AdamW (the config's weight decay, betas, eps) over the master shard's kind
+    segments: decay and no-decay groups. Its update is elementwise, so stepping a slice of
+    the flat shard is stepping the parameters it cuts through (the same arithmetic as on
+    whole tensors). `per_parameter`: one segment per parameter instead (a whole,
+    unsharded bucket), so autograd's gradient of each is its segment's `.grad` as it is."""
+    weight_decay, betas, eps = config.weight_decay, config.betas, config.eps
     decay, no_decay = [], []
     for state, bucket in zip(states, buckets, strict=True):
-        for segment in bucket.segments:
+        for segment in bucket.parameter_segments() if per_parameter else bucket.segments:
             view = state.master[segment.start : segment.end]
             state.master_segments.append((segment, view))
             (decay if segment.kind.decay else no_decay).append(view)

@@ -13,17 +13,30 @@ MUTATIONS = [
         "        for state in self.states:\n            pass\n",
         (
             "tests/peers/test_memory_vs_plain.py::test_no_gradient_is_alive_during_forward",
-            "tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
+            "tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops",
         ),
+    ),
+    Mutation(
+        "one process opens bucket buffers instead of stepping on autograd's gradients",
+        "hybrid/engine_config.py",
+        "        config.zero_stage == 0\n        and dp_size == 1\n",
+        "        config.zero_stage == 0\n        and dp_size == 0\n",
+        ("tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops",),
+    ),
+    Mutation(
+        "one process keeps autograd's gradients through the next forward",
+        "hybrid/zero/gradients.py",
+        "            view.grad = grad.reshape(-1)  # a view: autograd's are contiguous\n"
+        "            param.grad = None\n",
+        "            view.grad = grad.reshape(-1)  # a view: autograd's are contiguous\n",
+        ("tests/peers/test_memory_vs_plain.py::test_no_gradient_is_alive_during_forward",),
     ),
     Mutation(
         "keep autograd's gradient after copying it into the bucket",
         "hybrid/engine.py",
         "        param.grad = None\n        state.ready += 1\n",
         "        state.ready += 1\n",
-        (
-            "tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops_within_one_bucket",
-        ),
+        ("tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops",),
     ),
     Mutation(
         "skip the DP all-reduce of the gradient norm",

@@ -223,14 +223,27 @@ def test_peak_is_the_largest_moment_and_total_adds_the_reserve() -> None:
 
 def test_gloo_adds_its_copies_only_where_its_own_collectives_run() -> None:
     """gloo's reduce-scatter copies its input in groups of more than two (a group of two
-    exchanges pairwise, hybrid.distributed.pairwise, and copies nothing); stage 3's all-gathers
-    stage their output at any dp; stages 1-2's all-gathers are pairwise (nothing); stage 0
-    reduces by all-reduce (nothing)."""
+    exchanges pairwise, hybrid.distributed.pairwise, and copies nothing); stage 3's
+    all-gathers stage their output in forward (gloo's own) and not in backward (pairwise,
+    hybrid.zero.gather); stages 1-2's all-gathers are pairwise (nothing); stage 0 reduces
+    by all-reduce (nothing)."""
     params, shape = rank_parameters(MODEL, 1), transformer_shape(MODEL)
     for gpus in (2, 4):
         for stage in (0, 1, 2, 3):
             layout = Layout(gpus=gpus, zero_stage=stage, micro_batch=2)
             nccl = plan(layout, params, shape).memory["peak"] or 0.0
             gloo = plan(layout, params, shape, backend="gloo").memory["peak"] or 0.0
-            copies = stage == 3 or (stage > 0 and gpus > 2)
+            copies = stage > 0 and gpus > 2
             assert (gloo > nccl) if copies else (gloo == nccl), (gpus, stage)
+            staged = {
+                backend: [
+                    m.unseen
+                    for m in step_moments(
+                        step_layout(layout, backend), params.root, params.units, shape
+                    )
+                    if m.name.startswith("forward")
+                ]
+                for backend in ("nccl", "gloo")
+            }
+            assert (max(staged["gloo"]) > 0) == (stage == 3), (gpus, stage)
+            assert max(staged["nccl"]) == 0, (gpus, stage)

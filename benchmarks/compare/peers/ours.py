@@ -52,12 +52,14 @@ class OursTrainer:
 
     def tensor_roles(self) -> dict[str, list[torch.Tensor]]:
         # Parameters are views into the buckets' flat storages (stage 3: the shards);
-        # gradients are the flat full buffers (stage 0) or the reduced shards; in fp32 the
-        # master is the parameter shard itself (counted once, as a parameter).
-        states = self.engine.states
+        # gradients are the flat full buffers (stage 0), the reduced shards, or autograd's
+        # own (stage 0 at dp=1); in fp32 the master is the parameter shard itself (counted
+        # once, as a parameter).
+        states, params = self.engine.states, list(self.engine.module.parameters())
         return {
-            "parameters": [s.param_storage for s in states] + list(self.engine.module.parameters()),
-            "gradients": [t for s in states for t in (s.grad_flat, s.grad_shard) if t is not None],
+            "parameters": [s.param_storage for s in states] + params,
+            "gradients": [t for s in states for t in (s.grad_flat, s.grad_shard) if t is not None]
+            + [p.grad for p in params if p.grad is not None],
             "optimizer": [
                 t for s in states for t in (s.master, s.exp_avg, s.exp_avg_sq) if t is not None
             ],
