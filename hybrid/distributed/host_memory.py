@@ -7,14 +7,15 @@ from the heap instead, where freed blocks stay resident between allocations of o
 A stage-3 run then grows by about a model's worth of resident memory per step although the
 live tensors stay the same (measured: a 12-layer d_model 768 GPT at dp=2, 1.5 -> 1.9 GB peak
 RSS over 4 steps with constant live bytes; 1.25 -> 1.32 GB with a fixed threshold). Fixing
-the threshold (which also turns its adjustment off) keeps blocks of 256 KiB and more as
-their own mappings, so what is freed is released: the resident set follows the live
-tensors, as the ZeRO memory formulas and the planner assume. At 1 MiB, a layer's smaller
-activations and their gradients (a 512 x 384 fp32 slice of a TP rank: 768 KiB) still came
-from the heap and left it fragmented: 494 MB peak RSS above baseline at tp=2 on the 57M
-benchmark model with 456.5 MiB of tensors at its peak (MemTracker), 464 MB at 256 KiB
-(benchmarks/memory_breakdown.py). The cost is a page fault per page of a fresh block,
-small against the matrix products that fill it.
+the threshold (which also turns its adjustment off) keeps blocks of 1 MiB and more as their
+own mappings, so what is freed is released: the resident set follows the live tensors, as
+the ZeRO memory formulas and the planner assume. The cost is a page fault per page of a
+fresh large block, small against the matrix products that fill it.
+
+A lower threshold was measured and not kept: at 256 KiB a TP rank's 768 KiB activations
+leave the heap too, and the tp=2 57M benchmark's peak RSS fell 494 -> 464 MB (456.5 MiB of
+tensors at its peak either way), but the CPU demo (configs/tiny.yaml, whose activations are
+about 512 KiB) ran at 12.6k instead of 17.0k tokens/s: a page fault per page of every one.
 
 Set `MALLOC_MMAP_THRESHOLD_` in the environment to choose another value; it is then left
 alone. GPU memory has its own allocator and is not affected.
@@ -27,11 +28,11 @@ import ctypes.util
 import os
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-THRESHOLD_BYTES = 256 << 10
+THRESHOLD_BYTES = 1 << 20
 
 
 def release_freed_memory() -> bool:
-    """Fix glibc's mmap threshold at 256 KiB in this process; False where there is no glibc
+    """Fix glibc's mmap threshold at 1 MiB in this process; False where there is no glibc
     (or the user set the threshold in the environment)."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None:
         return False
