@@ -124,11 +124,13 @@ class Engine:
         }
 
     def _attach_gradient_hooks(self) -> None:
-        """Every parameter's accumulated gradient goes to `_on_grad`."""
+        """Every parameter's accumulated gradient goes to `_on_grad` (copied into its bucket)."""
+        if self.autograd_grads:
+            return
         # The hook holds the engine weakly: a parameter's hooks live where the garbage
         # collector cannot see them; a strong reference would keep a dropped engine alive.
         engine = weakref.ref(self)
-        for p in [] if self.autograd_grads else self.module.parameters():
+        for p in self.module.parameters():
             p.register_post_accumulate_grad_hook(lambda param: engine()._on_grad(param))
 
     def _attach_parameter_hooks(self, units: list[nn.Module]) -> None:
@@ -234,10 +236,9 @@ class Engine:
             self.gatherer.free(k)
         self._note_buffers()
         if self.stage >= 1:
-            # ZeRO-2's point is that full gradients never all exist at once (Rajbhandari
-            # et al. 5.2): the next bucket's first gradient waits for this reduction before
-            # opening its buffer (`_on_grad`); a bucket already open (the root's) waits
-            # here for the one before it. Stage 1 does the same in its reducing backward.
+            # Full gradients never all exist at once (ZeRO 5.2): the next bucket's first
+            # gradient waits for this reduction before opening its buffer (`_on_grad`); an
+            # open bucket (the root's) waits here for the one before it. Stage 1 alike.
             self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
@@ -298,9 +299,8 @@ class Engine:
         return StepStats(norm, False, self.loss_scale)
 
     def _release_gradients(self) -> None:
-        """Drop every gradient of the step once used (or skipped): the master views' `.grad`
-        and stage 0's flat buffers. As after a plain loop's `zero_grad(set_to_none=True)`,
-        no gradient lives through the next forward, on top of its activations."""
+        """Drop the step's gradients once used (or skipped), as a plain loop's
+        `zero_grad(set_to_none=True)` does: none lives through the next forward."""
         self.optimizer.zero_grad(set_to_none=True)
         for state in self.states:
             state.grad_flat = None

@@ -15,7 +15,8 @@ fresh large block, small against the matrix products that fill it.
 A lower threshold was measured and not kept: at 256 KiB a TP rank's 768 KiB activations
 leave the heap too, and the tp=2 57M benchmark's peak RSS fell 494 -> 464 MB (456.5 MiB of
 tensors at its peak either way), but the CPU demo (configs/tiny.yaml, whose activations are
-about 512 KiB) ran at 12.6k instead of 17.0k tokens/s: a page fault per page of every one.
+about 512 KiB) ran at 12.9k and 13.3k against 16.9k and 17.4k tokens/s (150 steps each,
+alternated): a page fault per page of every one.
 
 Set `MALLOC_MMAP_THRESHOLD_` in the environment to choose another value; it is then left
 alone. GPU memory has its own allocator and is not affected.
