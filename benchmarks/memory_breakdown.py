@@ -29,13 +29,10 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: `benchmarks.compare
 
 from benchmarks.compare.breakdown import CATEGORIES, PHASES  # noqa: E402
 from benchmarks.compare.common import BenchConfig, JobSpec, machine  # noqa: E402
+from benchmarks.compare.jobs import WIDTHS  # noqa: E402
 from benchmarks.compare_systems import bf16_line, deepspeed_available, launch  # noqa: E402
 
 MiB = 2**20
-WIDTHS = {  # --width: the model's shape (vocab 256: the corpus's bytes)
-    "57m": {"n_layer": 8, "n_head": 12, "d_model": 768},
-    "124m": {"n_layer": 12, "n_head": 12, "d_model": 768},
-}
 
 
 def pairs(bench: BenchConfig, deepspeed: bool) -> list[tuple[JobSpec, JobSpec]]:

@@ -13,6 +13,10 @@ from benchmarks.compare.common import BenchConfig, JobSpec
 from benchmarks.compare.report import Row
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root
+WIDTHS = {  # the model shapes compared (vocab 256: the corpus's bytes)
+    "57m": {"n_layer": 8, "n_head": 12, "d_model": 768},
+    "124m": {"n_layer": 12, "n_head": 12, "d_model": 768},  # gpt2-124m's blocks
+}
 
 
 def plan(bench: BenchConfig, recompute: list[bool], systems: set[str]) -> list[JobSpec]:

@@ -272,11 +272,14 @@ def checks(rows: list[Row]) -> list[str]:
         }
         if trusted and len(ours_dp) == 4:
             p = [ours_dp[k].peak_above_baseline for k in range(4)]
-            ordered = p[3] < p[2] <= p[1] < p[0]
+            # Stage 2 <= stage 1 up to 0.2%: at one micro-batch both free each full
+            # gradient bucket once reduced and hold the same bytes at their peak, so
+            # their peaks differ only by the page-level noise of RSS (measured: 0.1 MB).
+            ordered = p[3] < p[2] <= p[1] * 1.002 and p[1] < p[0]
             suffix = ", recompute" if recompute else ""
             lines.append(
                 f"| ours dp=2, peak above baseline by stage 0/1/2/3{suffix} "
-                f"| {' / '.join(_mb(v) for v in p)} MB | 3 < 2 <= 1 < 0 "
+                f"| {' / '.join(_mb(v) for v in p)} MB | 3 < 2 <= 1 (+0.2%) < 0 "
                 f"| {'PASS' if ordered else 'FAIL'} |"
             )
     for ours in (r for r in ran if r.spec.system == "ours"):

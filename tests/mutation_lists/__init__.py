@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mutation_lists import any_model, checkpoint, engine, launch, model, planning
+from mutation_lists import any_model, benchmarks, checkpoint, engine, launch, model, planning
 from mutation_lists.mutation import Mutation
 
 MUTATIONS: list[Mutation] = [
@@ -12,6 +12,7 @@ MUTATIONS: list[Mutation] = [
     *launch.MUTATIONS,
     *model.MUTATIONS,
     *any_model.MUTATIONS,
+    *benchmarks.MUTATIONS,
 ]
 
 __all__ = ["MUTATIONS", "Mutation"]
