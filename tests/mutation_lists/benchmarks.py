@@ -29,4 +29,18 @@ MUTATIONS = [
         '"system": 0, "wall"',
         (TEST + "test_ours_and_the_plain_loop_side_by_side_train_the_same_model",),
     ),
+    Mutation(
+        "the heap instrument reads every anonymous mapping, not the main arena",
+        "benchmarks/memory/heap_growth.py",
+        'in_heap = len(fields) > 5 and fields[5] == "[heap]"',
+        "in_heap = len(fields) <= 5",
+        ("tests/peers/test_heap_growth.py::test_heap_rss_follows_blocks_malloc_keeps_on_the_heap",),
+    ),
+    Mutation(
+        "the heap instrument reads the size of the mapping, not what is resident",
+        "benchmarks/memory/heap_growth.py",
+        'fields[0] == "Rss:"',
+        'fields[0] == "Size:"',
+        ("tests/peers/test_heap_growth.py::test_heap_rss_follows_blocks_malloc_keeps_on_the_heap",),
+    ),
 ]
