@@ -6,10 +6,11 @@ The 57M breakdown (benchmarks/memory_breakdown.md) has ours at tp=2 above DTenso
 peak RSS with the same tensors at the peak to the byte (MemTracker). This runs each
 system's tp=2 job for many steps in the same trainer the comparison uses and reads, after
 every step, from outside the code under test: the resident size of the `[heap]` mapping
-(/proc/self/smaps: the main arena, which serves every allocation under the 1 MiB mmap
-threshold made on the main thread), the RSS before the step, and the step's peak (VmHWM,
-reset before it). A heap that grows while the live tensors stay the same is free space
-the allocator keeps but cannot reuse: fragmentation, not memory the step needs.
+(/proc/self/smaps: the main arena, which serves every allocation under the mmap
+threshold made on the main thread; hybrid/distributed/host_memory.py sets it for every
+system), the RSS before the step, and the step's peak (VmHWM, reset before it). A heap
+that grows while the live tensors stay the same is free space the allocator keeps but
+cannot reuse: fragmentation, not memory the step needs.
 
 Each system is its own torchrun job of 2 processes; the table shows, per system, the
 largest rank's heap and absolute step peak at a few steps, and the median over the last
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +34,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
+
+
+def mmap_threshold() -> str:
+    """The glibc mmap threshold every rank runs under: the environment's, else the engine's."""
+    from hybrid.distributed.host_memory import THRESHOLD_BYTES
+
+    value = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", THRESHOLD_BYTES))
+    return f"{value // 1024} KiB" + (
+        " (MALLOC_MMAP_THRESHOLD_)" if "MALLOC_MMAP_THRESHOLD_" in os.environ else ""
+    )
 
 
 def heap_rss() -> int:
@@ -107,9 +119,9 @@ def report(results: dict[str, list[list[dict]]], steps: int, minutes: float) -> 
         "",
         f"Command: `python benchmarks/memory/heap_growth.py --steps {steps}` ({minutes:.1f} "
         "min). 57M model (benchmarks/compare, the comparison's trainers), tp=2, fp32, mmap "
-        "threshold 1 MiB. Per system the largest rank at each step (MiB): `[heap]` resident "
-        "after the step, and the step's absolute peak RSS; steady = median over the last "
-        "third of the steps.",
+        f"threshold {mmap_threshold()}. Per system the largest rank at each step (MiB): "
+        "`[heap]` resident after the step, and the step's absolute peak RSS; steady = median "
+        "over the last third of the steps.",
         "",
         "| system | " + " | ".join(f"step {s}" for s in shown) + " | steady |",
         "|---|" + "---:|" * (len(shown) + 1),

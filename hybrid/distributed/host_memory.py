@@ -7,10 +7,19 @@ from the heap instead, where freed blocks stay resident between allocations of o
 A stage-3 run then grows by about a model's worth of resident memory per step although the
 live tensors stay the same (measured: a 12-layer d_model 768 GPT at dp=2, 1.5 -> 1.9 GB peak
 RSS over 4 steps with constant live bytes; 1.25 -> 1.32 GB with a fixed threshold). Fixing
-the threshold (which also turns its adjustment off) keeps blocks of 1 MiB and more as their
-own mappings, so what is freed is released: the resident set follows the live tensors, as
+the threshold (which also turns its adjustment off) keeps blocks of 768 KiB and more as
+their own mappings, so what is freed is released: the resident set follows the live tensors, as
 the ZeRO memory formulas and the planner assume. The cost is a page fault per page of a
 fresh large block, small against the matrix products that fill it.
+
+768 KiB, not 1 MiB: a tp=2 rank of the 57M benchmark holds its attention activations and
+their gradients in blocks of exactly 768 KiB. Under a 1 MiB threshold they come from the
+heap, whose freed 768 KiB holes get split by small long-lived allocations, so new ones
+extend the heap top for ~20 steps (benchmarks/memory/heap_growth.py: [heap] 136 -> 192 MiB,
+step peak 823 MiB against DTensor TP's 796). glibc mmaps a block over the threshold only
+when no free chunk fits and the heap would have to grow, so 768 KiB caps that growth
+([heap] 128 MiB flat, step peak 781 vs 785 MiB). The CPU demo ran at 0.987x the 1 MiB
+speed (median of 6 alternated pairs of 150 steps, range 0.958-1.043x: noise).
 
 A lower threshold was measured and not kept: at 256 KiB a TP rank's 768 KiB activations
 leave the heap too, and the tp=2 57M benchmark's peak RSS fell 494 -> 464 MB (456.5 MiB of
@@ -38,11 +47,11 @@ import ctypes.util
 import os
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-THRESHOLD_BYTES = 1 << 20
+THRESHOLD_BYTES = 768 << 10  # see above: the 57M model's tp=2 attention blocks
 
 
 def release_freed_memory() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB in this process; False where there is no glibc
+    """Fix glibc's mmap threshold at 768 KiB in this process; False where there is no glibc
     (or the user set the threshold in the environment)."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None:
         return False
