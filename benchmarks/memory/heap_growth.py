@@ -2,14 +2,15 @@
 
     python benchmarks/memory/heap_growth.py [--steps 30] [--systems ours dtensor_tp]
 
-The 57M breakdown (benchmarks/memory_breakdown.md) has ours at tp=2 above DTensor TP in
-peak RSS with the same tensors at the peak to the byte (MemTracker). This runs each
-system's tp=2 job for many steps in the same trainer the comparison uses and reads, after
-every step, from outside the code under test: the resident size of the `[heap]` mapping
-(/proc/self/smaps: the main arena, which serves every allocation under the mmap
-threshold made on the main thread; hybrid/distributed/host_memory.py sets it for every
-system), the RSS before the step, and the step's peak (VmHWM, reset before it). A heap
-that grows while the live tensors stay the same is free space the allocator keeps but
+At a 1 MiB mmap threshold the 57M breakdown (benchmarks/memory_breakdown.md) had ours at
+tp=2 1.039x DTensor TP in peak RSS with the same tensors at the peak to the byte
+(MemTracker); this found why (heap_growth.md), and the engine's threshold is now 768 KiB.
+This runs each system's tp=2 job for many steps in the same trainer the comparison uses
+and reads, after every step, from outside the code under test: the resident size of the
+`[heap]` mapping (/proc/self/smaps: the main arena, which serves every allocation under
+the mmap threshold made on the main thread; hybrid/distributed/host_memory.py sets it for
+every system), the RSS before the step, and the step's peak (VmHWM, reset before it). A
+heap that grows while the live tensors stay the same is free space the allocator keeps but
 cannot reuse: fragmentation, not memory the step needs.
 
 Each system is its own torchrun job of 2 processes; the table shows, per system, the
