@@ -73,7 +73,7 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"{spec.label}, {spec.layout}, {args.width}: step time at {args.b} B / at {args.a} B: "
+        f"{spec.label}, {args.width}: step time at {args.b} B / at {args.a} B: "
         f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}] over "
         f"{args.rounds} rounds; peak RSS above baseline (MiB) "
         + ", ".join(f"{t} B {statistics.median(p) / 2**20:.1f}" for t, p in peaks.items())

@@ -20,9 +20,11 @@ step peak 823 MiB against DTensor TP's 796). glibc mmaps a block over the thresh
 when no free chunk fits and the heap would have to grow, so 768 KiB caps that growth
 ([heap] 128 MiB flat, step peak 781 vs 785 MiB). The CPU demo ran at 0.987x the 1 MiB
 speed (median of 6 alternated pairs of 150 steps, range 0.958-1.043x: noise); the 57M
-tp=2 job's step took 1.031x (4 alternated pairs of jobs, 0.996-1.069x: the page faults of
-the blocks that are now mmapped), and it still ran 0.855x DTensor TP's step, both under
-768 KiB (benchmarks/speed/peer_speed.py, 6 rounds, 0.741-1.239x).
+tp=2 job's step took 1.008x (median of 8 alternated pairs of jobs over two runs of
+benchmarks/memory/threshold_speed.py, 0.948-1.403x: within this machine's noise; the page
+faults of the blocks now mmapped) for 4.4% less peak RSS (464.7 against 486.2 MiB), and
+it ran 0.855x DTensor TP's step, both under 768 KiB (benchmarks/speed/peer_speed.py, 6
+rounds, 0.741-1.239x).
 
 A lower threshold was measured and not kept: at 256 KiB a TP rank's 768 KiB activations
 leave the heap too, and the tp=2 57M benchmark's peak RSS fell 494 -> 464 MB (456.5 MiB of
