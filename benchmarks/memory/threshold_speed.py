@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.compare.common import BenchConfig, JobSpec  # noqa: E402
 from benchmarks.compare.jobs import WIDTHS, launch  # noqa: E402
+from hybrid.distributed.host_memory import THRESHOLD_BYTES  # noqa: E402
 
 
 def timed_job(spec: JobSpec, threshold: int, python: str, folder: Path) -> tuple[float, float]:
@@ -51,7 +52,9 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--stage", type=int, default=0)
     parser.add_argument("--a", type=int, default=1 << 20, help="reference threshold, bytes")
-    parser.add_argument("--b", type=int, default=768 << 10, help="threshold measured, bytes")
+    parser.add_argument(
+        "--b", type=int, default=THRESHOLD_BYTES, help="threshold measured (the engine's), bytes"
+    )
     parser.add_argument("--python", default=sys.executable)
     args = parser.parse_args()
     bench = BenchConfig(**WIDTHS[args.width], steps=args.steps)
