@@ -39,6 +39,16 @@ MUTATIONS = [
         ("tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops",),
     ),
     Mutation(
+        "take the clip norm of a whole bucket segment in one fp32 sum",
+        "hybrid/zero/gradients.py",
+        "NORM_PIECE = 1 << 16\n",
+        "NORM_PIECE = 1 << 30\n",
+        (
+            "tests/precision/test_grad_norm_accuracy.py::"
+            "test_sum_of_squares_over_a_bucket_segment_is_float64_accurate",
+        ),
+    ),
+    Mutation(
         "skip the DP all-reduce of the gradient norm",
         "hybrid/zero/gradients.py",
         "        dp.all_reduce(squares)\n",
