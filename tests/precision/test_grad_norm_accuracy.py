@@ -4,7 +4,7 @@ torch's CPU fp32 norm sums a tensor in one long accumulation: over a 25 MiB buck
 segment its square is off by about 1e-4 relative, and the clip coefficient with it, which
 made the losses of ours at stage 0 dp=2 part from a one-process run's by 1.2e-5 in three
 steps (benchmarks/results.md's losses check). The engine sums the squares of 64K-element
-pieces' norms in float64 instead.
+rows' norms in float64 instead.
 """
 
 from __future__ import annotations
