@@ -39,6 +39,7 @@ import torch
 
 from models.gpt import GPT, GPTConfig
 
+from .initial_weights import seeded_weights
 from .metrics import CommCounter, PeakMeter, settled_tensor_bytes
 
 SEED = 1234
@@ -175,9 +176,7 @@ class JobSpec:
 def initial_state(bench: BenchConfig) -> dict[str, torch.Tensor]:
     """Our GPT's weights at tp=1 from SEED: the weights every system starts from (ours
     draws the same full tensors and slices them, hybrid.tensor_parallel.shards)."""
-    return {
-        k: v.detach().clone() for k, v in GPT(bench.gpt_config(), seed=SEED).state_dict().items()
-    }
+    return seeded_weights(bench.gpt_config(), SEED)
 
 
 def global_batches(bench: BenchConfig) -> list[torch.Tensor]:
