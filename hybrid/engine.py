@@ -29,7 +29,8 @@ the one in flight before its buffer opens (one unit's full buffer at a time, ZeR
 With sequence parallelism the TP all-reduce of replicated gradients runs in the hook first.
 
 Construction: check the config (hybrid.engine_config), build the buckets, materialise
-their flat storage, make the optimizer on the shards, attach gradient and parameter hooks.
+their flat storage, make the optimizer on the shards, attach gradient and parameter hooks,
+return the build's freed host memory (hybrid.distributed.host_memory).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from hybrid.distributed.comm import Handle
+from hybrid.distributed.host_memory import trim_freed_memory
 from hybrid.distributed.topology import Topology
 from hybrid.engine_config import (
     DTYPES,
@@ -78,10 +80,8 @@ class Engine:
         check_engine_config(config)
         self.module, self.topology, self.tp, self.config = model, topology, tp, config
         self.dtype = DTYPES[config.precision]
-        fp32_grads = config.grad_reduce_dtype == "fp32"
-        self.grad_dtype = torch.float32 if fp32_grads else self.dtype
-        self.dp = topology.dp_group
-        self.stage = config.zero_stage
+        self.grad_dtype = torch.float32 if config.grad_reduce_dtype == "fp32" else self.dtype
+        self.dp, self.stage = topology.dp_group, config.zero_stage
         if device is None:
             real = [p.device for p in model.parameters() if p.device.type != "meta"]
             device = real[0] if real else torch.device("cpu")
@@ -93,13 +93,13 @@ class Engine:
         self.peak_buffer_bytes = 0
         self.grad_bytes = 0  # gradient bytes held when the last backward ended
         self.autograd_grads = keeps_autograd_gradients(config, self.dp.size, tp.sequence_parallel)
-
         units = list(units or [])
         self._build_buckets(units)
         self._materialise(model if values is None else values)
         self.optimizer = make_adamw(self.states, self.buckets, config, device, self.autograd_grads)
         self._attach_gradient_hooks()
         self._attach_parameter_hooks(units)
+        trim_freed_memory(device)  # the build's freed host memory back to the OS
 
     def _build_buckets(self, units: list[nn.Module]) -> None:
         """The units' parameters in flat buckets (consecutive units share one up to

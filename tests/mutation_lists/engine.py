@@ -49,6 +49,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "the engine keeps its build's freed heap pages resident (no malloc_trim)",
+        "hybrid/engine.py",
+        "        trim_freed_memory(device)  # the build's freed host memory back to the OS\n",
+        "",
+        ("tests/zero/test_host_memory.py::test_the_engine_returns_its_build_s_freed_memory",),
+    ),
+    Mutation(
+        "trim_freed_memory reports success without returning the heap's free pages",
+        "hybrid/distributed/host_memory.py",
+        "    return malloc_trim is not None and bool(malloc_trim(0))\n",
+        "    return True\n",
+        ("tests/zero/test_host_memory.py::test_freed_heap_pages_go_back_to_the_os",),
+    ),
+    Mutation(
         "skip the DP all-reduce of the gradient norm",
         "hybrid/zero/gradients.py",
         "        dp.all_reduce(squares)\n",
