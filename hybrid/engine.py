@@ -19,9 +19,10 @@ Buckets are the `units` (e.g. transformer layers) plus one for the remaining par
 
 Memory layout: at stages 0-2 every parameter is a view into its bucket's flat buffer, so
 the optimizer steps on (a slice of) it and the all-gather writes into it with no copy.
-A gradient is copied once, from autograd into its bucket's flat gradient buffer, opened at
-the bucket's first gradient and gone after the step at every stage, so (like a plain loop
-with `zero_grad(set_to_none=True)`) no gradient lives through forward. Under bf16/fp16
+A gradient reaches its bucket's flat gradient buffer (opened at the bucket's first gradient,
+gone after the step at every stage, so, as in a plain loop with `zero_grad(set_to_none=True)`,
+no gradient lives through forward) copied once from autograd, or, for our parallel Linears'
+weights in fp32, written there by their backward's matmul (weight_grads). Under bf16/fp16
 that buffer and the DP reduction are fp32 by default (`grad_reduce_dtype`); in fp32 the
 master *is* the parameter shard. DP reductions are issued asynchronously from the hooks:
 stage 0 waits at the end of backward; at stages 1-3 a bucket's first gradient waits for
@@ -54,15 +55,16 @@ from hybrid.engine_config import (
     check_engine_config,
     keeps_autograd_gradients,
 )
-from hybrid.tensor_parallel import TensorParallel
+from hybrid.tensor_parallel import TensorParallel, attach_weight_gradient_sinks
+from hybrid.tensor_parallel.weight_grads import Write
 from hybrid.zero.accounting import model_state_bytes, nbytes, transient_bytes
-from hybrid.zero.bucket import build_buckets, max_bucket_numel
+from hybrid.zero.bucket import FlatBucket, build_buckets, max_bucket_numel
 from hybrid.zero.full_model import gathered_full_tensors
 from hybrid.zero.gather import ParameterGatherer
 from hybrid.zero.gradients import any_overflow, global_grad_norm, step_gradients
 from hybrid.zero.optimizer import make_adamw
 from hybrid.zero.publish import ParameterPublisher
-from hybrid.zero.state import buffers_to, materialise, replace_meta_parameters
+from hybrid.zero.state import BucketState, buffers_to, materialise, replace_meta_parameters
 
 
 class Engine:
@@ -124,7 +126,7 @@ class Engine:
         }
 
     def _attach_gradient_hooks(self) -> None:
-        """Every parameter's accumulated gradient goes to `_on_grad` (copied into its bucket)."""
+        """Gradients go to their buckets: autograd's by `_on_grad`, or by a sink (weight_grads)."""
         if self.autograd_grads:
             return
         # The hook holds the engine weakly: a parameter's hooks live where the garbage
@@ -132,6 +134,8 @@ class Engine:
         engine = weakref.ref(self)
         for p in self.module.parameters():
             p.register_post_accumulate_grad_hook(lambda param: engine()._on_grad(param))
+        if self.grad_dtype == self.dtype == torch.float32:  # fp32: no 16-bit product to widen
+            attach_weight_gradient_sinks(self.module, lambda p, w: engine()._receive(p, w))
 
     def _attach_parameter_hooks(self, units: list[nn.Module]) -> None:
         """Stage 3 gathers each unit's parameters around its forward and backward
@@ -149,8 +153,7 @@ class Engine:
             self.publisher = ParameterPublisher(flats, shards, self.dp)
             self.publisher.hook(model, units, lambda unit: self._bucket_of(unit))
 
-    def _bucket_of(self, unit: nn.Module) -> int:
-        """The bucket holding `unit`'s parameters (a unit never spans two)."""
+    def _bucket_of(self, unit: nn.Module) -> int:  # a unit's parameters share one bucket
         first = next(unit.parameters(), None)
         return self._where[id(first)][0] if first is not None else 0
 
@@ -169,39 +172,40 @@ class Engine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's mean loss. The gradient of the mean over the global
-        batch is the DP sum of each rank's gradient scaled by 1/(micro_batches x dp); the
-        scale (and the fp16 loss scale) is applied to the loss. Gradient reduction runs from
-        hooks: every micro-batch at stages 2-3, the last one only at stages 0-1."""
+        """Backward of one micro-batch's mean loss, scaled by (fp16's loss scale) / (micro
+        batches x dp): the global batch's mean gradient is the DP sum of the ranks'. Hooks
+        reduce the gradients: every micro-batch at stages 2-3, the last one at stages 0-1."""
         self._micro_step += 1
         scale = self.loss_scale / (self.config.micro_batches * self.dp.size)
         (loss * scale).backward()
         for k, state in enumerate(self.states):  # buckets some of whose params got no grad
             if state.ready and self._reduces_now():
                 self._reduce(k)
-            state.ready = 0
+            state.end_backward()
         self._finish_reductions()
 
     def _reduces_now(self) -> bool:
         return self.stage >= 2 or self._micro_step == self.config.micro_batches
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        """Copy the new gradient into the bucket's flat buffer (accumulating across
-        micro-batches at stages 0-1) and release it; reduce once the bucket is complete."""
+        """Copy autograd's gradient into the bucket (a 16-bit one summed in fp32 buffers) and
+        release it; None where a sink wrote it (weight_grads: the hook runs all the same)."""
+        grad, param.grad = param.grad, None
+        if grad is not None:
+            self._receive(param, lambda view, add: view.add_(grad) if add else view.copy_(grad))
+
+    def _receive(self, param: nn.Parameter, write: Write) -> None:
+        """`write` param's gradient into its view of the bucket's flat buffer (added to it
+        across micro-batches at stages 0-1); reduce once the bucket is complete."""
         k, i = self._where[id(param)]
         bucket, state = self.buckets[k], self.states[k]
+        state.arrive(i, bucket.names[i])
         if state.grad_flat is None:
             if self.stage >= 1:  # the reduction before it ends first: one full buffer at once
                 self._drain(keep=0)
-            state.grad_flat = torch.empty(bucket.numel, dtype=self.grad_dtype, device=self.device)
-            self._note_buffers()
-        view = bucket.view(state.grad_flat, i)
-        if state.filled[i]:
-            view.add_(param.grad)  # in fp32 buffers: the 16-bit gradient summed in fp32
-        else:
-            view.copy_(param.grad)
-            state.filled[i] = True
-        param.grad = None
+            self._open(state, bucket)
+        write(bucket.view(state.grad_flat, i), state.filled[i])
+        state.filled[i] = True
         state.ready += 1
         if state.ready == len(bucket.params) and self._reduces_now():
             self._reduce(k)
@@ -210,16 +214,8 @@ class Engine:
         """Start summing bucket k's gradients over DP into this rank's shard."""
         bucket, state = self.buckets[k], self.states[k]
         state.ready = 0
-        flat = state.grad_flat
-        if flat is None:  # no gradient reached this bucket in this step
-            flat = state.grad_flat = torch.empty(
-                bucket.numel, dtype=self.grad_dtype, device=self.device
-            )
-        for i, filled in enumerate(state.filled):
-            if not filled:
-                bucket.view(flat, i).zero_()
-            state.filled[i] = False
-        flat[bucket.numel - bucket.padding :].zero_()
+        flat = state.grad_flat if state.grad_flat is not None else self._open(state, bucket)
+        state.zero_unfilled(bucket, flat)  # a bucket no gradient reached is all zeros
         if self.tp.sequence_parallel:  # partial sums over sequence chunks (Korthikanti 4.2.2)
             for segment in bucket.full_segments:
                 if not segment.kind.split:
@@ -237,9 +233,13 @@ class Engine:
         self._note_buffers()
         if self.stage >= 1:
             # Full gradients never all exist at once (ZeRO 5.2): the next bucket's first
-            # gradient waits for this reduction before opening its buffer (`_on_grad`); an
-            # open bucket (the root's) waits here for the one before it. Stage 1 alike.
+            # gradient waits for this one (`_receive`), an open one (the root's) here.
             self._drain(keep=1)
+
+    def _open(self, state: BucketState, bucket: FlatBucket) -> torch.Tensor:
+        state.grad_flat = torch.empty(bucket.numel, dtype=self.grad_dtype, device=self.device)
+        self._note_buffers()
+        return state.grad_flat
 
     def _drain(self, keep: int) -> None:
         """Wait for all but the newest `keep` pending reductions, oldest first, and fold

@@ -9,6 +9,7 @@ from hybrid.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
+    attach_weight_gradient_sinks,
 )
 from hybrid.tensor_parallel.mappings import (
     copy_to_region,
@@ -34,6 +35,7 @@ __all__ = [
     "TensorParallel",
     "VocabParallelEmbedding",
     "VocabParallelOutput",
+    "attach_weight_gradient_sinks",
     "copy_to_region",
     "gather_from_region",
     "gather_from_sequence",

@@ -28,6 +28,12 @@ from hybrid.tensor_parallel.mappings import (
     reduce_scatter_to_sequence,
 )
 from hybrid.tensor_parallel.shards import ShardSpec
+from hybrid.tensor_parallel.weight_grads import (
+    Sink,
+    linear,
+    set_weight_gradient_sink,
+    weight_gradient,
+)
 
 
 class _GatherSequenceLinear(torch.autograd.Function):
@@ -37,7 +43,7 @@ class _GatherSequenceLinear(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
     ) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.parameter = group, bias is not None, weight
         ctx.save_for_backward(x, weight)
         return F.linear(group.all_gather(x, dim=0), weight, bias)
 
@@ -47,9 +53,9 @@ class _GatherSequenceLinear(torch.autograd.Function):
         total = ctx.group.all_gather(x, dim=0).to(grad.dtype)  # re-gathered, not stored
         grad_input = ctx.group.reduce_scatter(grad.matmul(weight.to(grad.dtype)), dim=0)
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_weight = weight_gradient(ctx.parameter, flat_grad, total.reshape(-1, total.shape[-1]))
         grad_bias = flat_grad.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_input.to(x.dtype), grad_weight.to(weight.dtype), grad_bias, None
+        return grad_input.to(x.dtype), grad_weight, grad_bias, None
 
 
 def parallel_linear_input(
@@ -59,7 +65,7 @@ def parallel_linear_input(
     under sequence parallelism, split along the sequence (gather, then the matmul)."""
     if tp.sequence_parallel and tp.size > 1:
         return _GatherSequenceLinear.apply(x, weight, bias, tp.group)
-    return F.linear(copy_to_region(x, tp.group), weight, bias)
+    return linear(copy_to_region(x, tp.group), weight, bias)
 
 
 def reduce_parallel_output(y: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -110,8 +116,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # no reduction: the bias goes into the matmul (one addmm)
-            return F.linear(x, self.weight, self.bias)
-        y = reduce_parallel_output(F.linear(x, self.weight), self.tp)
+            return linear(x, self.weight, self.bias)
+        y = reduce_parallel_output(linear(x, self.weight, None), self.tp)
         return y + self.bias if self.bias is not None else y
 
     def tp_shards(self) -> dict[str, ShardSpec]:
@@ -158,3 +164,19 @@ class VocabParallelOutput(_VocabTable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return parallel_linear_input(x, self.weight, None, self.tp)
+
+
+def attach_weight_gradient_sinks(model: nn.Module, sink: Sink) -> list[str]:
+    """Set `sink` on the weight of every ColumnParallelLinear and RowParallelLinear of
+    `model` whose weight the model registers exactly once; returns their names."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    layers = (ColumnParallelLinear, RowParallelLinear)
+    names = []
+    for name, module in model.named_modules():
+        weight = module.weight if isinstance(module, layers) else None
+        if weight is not None and weight.requires_grad and uses[id(weight)] == 1:
+            set_weight_gradient_sink(weight, sink)
+            names.append(f"{name}.weight" if name else "weight")
+    return names

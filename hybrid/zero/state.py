@@ -29,8 +29,31 @@ class BucketState:
     grad_shard: torch.Tensor | None = None  # reduced gradients of this rank's shard
     exp_avg: torch.Tensor | None = None  # Adam's moments over the master shard (fp32)
     exp_avg_sq: torch.Tensor | None = None
-    ready: int = 0  # parameters whose gradient arrived in this backward
+    ready: int = 0  # parameters whose gradient arrived in this backward, not yet reduced
+    arrived: list[bool] = field(default_factory=list)  # ... and whether reduced or not
     master_segments: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+    def arrive(self, index: int, name: str) -> None:
+        """Parameter `index`'s gradient arrived in this backward. A second one is an error,
+        not a sum: its bucket may be reduced already."""
+        if self.arrived[index]:
+            raise RuntimeError(
+                f"{name} received two gradients in one backward: a parallel Linear's weight "
+                "used outside it too (its sink wrote one); use it through the layer only"
+            )
+        self.arrived[index] = True
+
+    def end_backward(self) -> None:
+        self.ready, self.arrived = 0, [False] * len(self.arrived)
+
+    def zero_unfilled(self, bucket: FlatBucket, flat: torch.Tensor) -> None:
+        """Zero the views of `flat` no gradient reached in this step, and its padding,
+        before it is reduced; every view counts as unfilled for the next step."""
+        for i, filled in enumerate(self.filled):
+            if not filled:
+                bucket.view(flat, i).zero_()
+            self.filled[i] = False
+        flat[bucket.numel - bucket.padding :].zero_()
 
     @property
     def param_storage(self) -> torch.Tensor:
@@ -108,7 +131,8 @@ def materialise(
             value = initial_values(source, bucket.names[i], bucket.params[i], start, end)
             shard[offset : offset + end - start] = value
     master = shard if dtype == torch.float32 else shard.float()
-    state = BucketState(flat, shard, master, None, [False] * len(bucket.params))
+    n = len(bucket.params)
+    state = BucketState(flat, shard, master, None, [False] * n, arrived=[False] * n)
     state.exp_avg, state.exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     return state
 

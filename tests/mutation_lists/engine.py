@@ -34,8 +34,8 @@ MUTATIONS = [
     Mutation(
         "keep autograd's gradient after copying it into the bucket",
         "hybrid/engine.py",
-        "        param.grad = None\n        state.ready += 1\n",
-        "        state.ready += 1\n",
+        "        grad, param.grad = param.grad, None\n",
+        "        grad = param.grad\n",
         ("tests/peers/test_memory_vs_plain.py::test_peak_step_memory_is_the_plain_loops",),
     ),
     Mutation(
@@ -161,9 +161,8 @@ MUTATIONS = [
     Mutation(
         "micro-batch accumulation rounded to bf16 again (the sum cast to the gradient's dtype)",
         "hybrid/engine.py",
-        "            view.add_(param.grad)"
-        "  # in fp32 buffers: the 16-bit gradient summed in fp32\n",
-        "            view.copy_(view.to(param.grad.dtype) + param.grad)\n",
+        "lambda view, add: view.add_(grad) if add",
+        "lambda view, add: view.copy_(view.to(grad.dtype) + grad) if add",
         (
             "tests/zero/test_grad_reduce.py::test_fp32_shard_equals_the_fp32_sum_of_bf16_micro_batch_gradients",
         ),
@@ -240,5 +239,53 @@ MUTATIONS = [
         (
             "tests/zero/test_pairwise.py::test_exchanges_dropped_in_flight_do_not_stall_the_group[2]",
         ),
+    ),
+    Mutation(
+        "a written weight gradient overwrites the micro-batches before it",
+        "hybrid/tensor_parallel/weight_grads.py",
+        "            out.addmm_(grad.t(), x)\n",
+        "            torch.mm(grad.t(), x, out=out)\n",
+        (
+            "tests/zero/test_weight_grads.py::test_written_gradients_are_autograds[1-2-Recompute.NONE]",
+        ),
+    ),
+    Mutation(
+        "the engine leaves the Linear weights' gradients to autograd (no sinks)",
+        "hybrid/engine.py",
+        "            attach_weight_gradient_sinks(self.module, ",
+        "            (lambda *_: None)(self.module, ",
+        (
+            "tests/zero/test_weight_grads.py::test_written_gradients_are_autograds[1-2-Recompute.NONE]",
+        ),
+    ),
+    Mutation(
+        "under recomputation the saved weight is asked for its sink (it has none)",
+        "hybrid/tensor_parallel/weight_grads.py",
+        "weight_gradient(ctx.parameter, flat_grad,",
+        "weight_gradient(weight, flat_grad,",
+        (
+            "tests/zero/test_weight_grads.py::test_written_gradients_are_autograds[2-2-Recompute.FULL]",
+        ),
+    ),
+    Mutation(
+        "a second gradient of a sunk weight is taken (its bucket may be reduced already)",
+        "hybrid/zero/state.py",
+        "        if self.arrived[index]:\n",
+        "        if False:\n",
+        ("tests/zero/test_weight_grads.py::test_a_weight_used_outside_its_layer_is_refused",),
+    ),
+    Mutation(
+        "a weight two layers share gets a sink (two writes, no sum)",
+        "hybrid/tensor_parallel/layers.py",
+        "uses[id(weight)] == 1",
+        "uses[id(weight)] >= 1",
+        ("tests/zero/test_weight_grads.py::test_a_weight_two_layers_share_is_summed_by_autograd",),
+    ),
+    Mutation(
+        "a gradient hook on a Linear's weight is skipped (the sink takes the gradient)",
+        "hybrid/tensor_parallel/weight_grads.py",
+        "    return None if weight._backward_hooks else getattr(weight, _SINK, None)\n",
+        "    return getattr(weight, _SINK, None)\n",
+        ("tests/zero/test_weight_grads.py::test_a_gradient_hook_on_a_weight_sees_and_changes_it",),
     ),
 ]
