@@ -14,6 +14,7 @@ full one, as the paper's memory formula assumes.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -166,17 +167,12 @@ class VocabParallelOutput(_VocabTable):
         return parallel_linear_input(x, self.weight, None, self.tp)
 
 
-def attach_weight_gradient_sinks(model: nn.Module, sink: Sink) -> list[str]:
+def attach_weight_gradient_sinks(model: nn.Module, sink: Sink) -> None:
     """Set `sink` on the weight of every ColumnParallelLinear and RowParallelLinear of
-    `model` whose weight the model registers exactly once; returns their names."""
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    layers = (ColumnParallelLinear, RowParallelLinear)
-    names = []
-    for name, module in model.named_modules():
-        weight = module.weight if isinstance(module, layers) else None
-        if weight is not None and weight.requires_grad and uses[id(weight)] == 1:
-            set_weight_gradient_sink(weight, sink)
-            names.append(f"{name}.weight" if name else "weight")
-    return names
+    `model` whose weight the model registers exactly once."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            weight = module.weight
+            if weight.requires_grad and uses[id(weight)] == 1:
+                set_weight_gradient_sink(weight, sink)
