@@ -62,7 +62,7 @@ from hybrid.zero.bucket import FlatBucket, build_buckets, max_bucket_numel
 from hybrid.zero.full_model import gathered_full_tensors
 from hybrid.zero.gather import ParameterGatherer
 from hybrid.zero.gradients import any_overflow, global_grad_norm, step_gradients
-from hybrid.zero.optimizer import make_adamw
+from hybrid.zero.optimizer import make_adamw, step_adamw
 from hybrid.zero.publish import ParameterPublisher
 from hybrid.zero.state import BucketState, buffers_to, materialise, replace_meta_parameters
 
@@ -285,11 +285,9 @@ class Engine:
             # on every rank alike; the caller decides whether to go on (train.on_nonfinite).
             self._release_gradients()
             return StepStats(norm, True, self.loss_scale)
-        if self.config.grad_clip > 0 and norm > self.config.grad_clip:
-            torch._foreach_mul_(grads, self.config.grad_clip / (norm + 1e-6))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        clip = self.config.grad_clip
+        divisor = (norm + 1e-6) / clip if 0 < clip < norm else None
+        step_adamw(self.optimizer, lr, divisor, self.device)
         self._release_gradients()
         self.publish_masters()
         if self.config.precision == "fp16":

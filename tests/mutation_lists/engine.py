@@ -119,8 +119,8 @@ MUTATIONS = [
     Mutation(
         "clip the gradients never",
         "hybrid/engine.py",
-        "            torch._foreach_mul_(grads, self.config.grad_clip / (norm + 1e-6))",
-        "            pass",
+        "        divisor = (norm + 1e-6) / clip if 0 < clip < norm else None",
+        "        divisor = None",
         (
             "tests/precision/test_clipping.py::test_norm_and_clipped_weights_match_torch_at_every_layout",
         ),
@@ -287,5 +287,20 @@ MUTATIONS = [
         "    return None if weight._backward_hooks else getattr(weight, _SINK, None)\n",
         "    return getattr(weight, _SINK, None)\n",
         ("tests/zero/test_weight_grads.py::test_a_gradient_hook_on_a_weight_sees_and_changes_it",),
+    ),
+    # Issue 30: the clip inside the fused AdamW kernel.
+    Mutation(
+        "the clip's divisor left on the optimizer (the next, unclipped step divides too)",
+        "hybrid/zero/optimizer.py",
+        '        optimizer.__dict__.pop("grad_scale", None)',
+        "        pass",
+        ("tests/precision/test_clip_in_adamw.py",),
+    ),
+    Mutation(
+        "the clip's divisor never given to the kernel",
+        "hybrid/zero/optimizer.py",
+        "        optimizer.grad_scale = torch.tensor(divisor,",
+        "        optimizer.unused_scale = torch.tensor(divisor,",
+        ("tests/precision/test_clip_in_adamw.py",),
     ),
 ]
