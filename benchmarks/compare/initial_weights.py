@@ -12,7 +12,8 @@ timed step.
 The file's name is a hash of what decides the values: the model's shape, the seed, torch's
 version and the source of the code that draws them (models/gpt, hybrid/tensor_parallel),
 so a change to any of them draws afresh instead of reading stale weights. Ours still
-builds through its own seeded init, as a user's job does.
+builds through its own seeded init, as a user's job does, except where a benchmark times
+steps only (peer_speed.py: BenchConfig.ours_draws_weights).
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def main() -> None:
                 continue
             base = BenchConfig.quick() if name == "quick" else BenchConfig(**WIDTHS[name])
             steps = rounds * args.block
-            bench = replace(base, precision=precision, steps=steps)
+            bench = replace(base, precision=precision, steps=steps, ours_draws_weights=False)
             lines += section(bench, name, rounds, args.block, args.raw, args.groups)
     info = machine()
     lines += [

@@ -12,7 +12,7 @@ from hybrid.recompute import Recompute, RecomputePolicy
 from hybrid.tensor_parallel import TensorParallel
 from models.gpt import GPT
 
-from ..common import SEED, JobSpec
+from ..common import SEED, JobSpec, initial_state
 
 
 class OursTrainer:
@@ -25,7 +25,8 @@ class OursTrainer:
             )
         tp = TensorParallel.from_topology(self.topology, SEED, device=device)
         policy = RecomputePolicy(Recompute.FULL if spec.recompute else Recompute.NONE)
-        model = GPT(bench.gpt_config(), tp, policy, seed=SEED, device=device)
+        weights = None if bench.ours_draws_weights else initial_state(bench)
+        model = GPT(bench.gpt_config(), tp, policy, seed=SEED, device=device, init_weights=weights)
         config = EngineConfig(
             zero_stage=spec.stage,
             precision="bf16" if bench.bf16 else "fp32",
