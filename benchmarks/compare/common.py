@@ -73,10 +73,7 @@ class BenchConfig:
     eps: float = 1e-8
     bucket_mb: float = 25.0  # our bucket cap; DDP's default and DeepSpeed's bucket sizes
     fused_adamw: bool = True  # every system steps the same torch AdamW kernel (ours: fused)
-    # Ours draws its weights through its own seeded init, as a user's job does; False: it
-    # reads the same tp=1 file the peers load (initial_weights.py). peer_speed.py, which
-    # times steps only, sets False: the draws took 4.3 of its 43 minutes (28 builds of ours).
-    ours_draws_weights: bool = True
+    ours_draws_weights: bool = True  # as a user's job; False: the peers' file (peer_speed)
     device: str = "cpu"
     # bf16: ours' bf16 engine, autocast for the peers, FSDP2's policy, DeepSpeed's bf16.
     # The default on CUDA; on CPU only where the CPU has native bf16 matrix kernels.

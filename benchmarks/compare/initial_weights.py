@@ -13,7 +13,8 @@ The file's name is a hash of what decides the values: the model's shape, the see
 version and the source of the code that draws them (models/gpt, hybrid/tensor_parallel),
 so a change to any of them draws afresh instead of reading stale weights. Ours still
 builds through its own seeded init, as a user's job does, except where a benchmark times
-steps only (peer_speed.py: BenchConfig.ours_draws_weights).
+steps only (peer_speed.py sets BenchConfig.ours_draws_weights False: 28 builds of ours
+drew for 4.3 of its 43 minutes).
 """
 
 from __future__ import annotations
