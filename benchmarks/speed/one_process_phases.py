@@ -83,9 +83,11 @@ def main() -> None:
                 ms = event.self_cpu_time_total / 1e3 / args.rounds
                 by_operator[i][event.key] = by_operator[i].get(event.key, 0.0) + ms
     print(f"{args.width}, {args.rounds} rounds, ms per step (ours / plain), ratio [least-largest]")
-    for k, name in enumerate([*PHASES, "whole step"]):
-        pick = (lambda t: sum(t)) if k == len(PHASES) else (lambda t, k=k: t[k])
-        ours, plain = [pick(t) for t in times[0]], [pick(t) for t in times[1]]
+    rows = [
+        (name, [t[k] for t in times[0]], [t[k] for t in times[1]]) for k, name in enumerate(PHASES)
+    ]
+    rows.append(("whole step", [sum(t) for t in times[0]], [sum(t) for t in times[1]]))
+    for name, ours, plain in rows:
         ratios = [a / b for a, b in zip(ours, plain, strict=True)]
         print(
             f"{name:>10}: {statistics.median(ours) * 1e3:7.1f} / "
