@@ -23,18 +23,14 @@ from torch import nn
 
 from hybrid.distributed.comm import Group
 from hybrid.tensor_parallel.context import TensorParallel
+from hybrid.tensor_parallel.linear import linear
 from hybrid.tensor_parallel.mappings import (
     copy_to_region,
     reduce_from_region,
     reduce_scatter_to_sequence,
 )
 from hybrid.tensor_parallel.shards import ShardSpec
-from hybrid.tensor_parallel.weight_grads import (
-    Sink,
-    linear,
-    set_weight_gradient_sink,
-    weight_gradient,
-)
+from hybrid.tensor_parallel.weight_grads import Sink, set_weight_gradient_sink, weight_gradient
 
 
 class _GatherSequenceLinear(torch.autograd.Function):
@@ -115,10 +111,12 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """`activation` ("gelu", "gelu_tanh") is applied to x first, inside the layer's
+        backward (hybrid.tensor_parallel.linear): one b*s*in/tp buffer fewer at its peak."""
         if self.tp.size == 1:  # no reduction: the bias goes into the matmul (one addmm)
-            return linear(x, self.weight, self.bias)
-        y = reduce_parallel_output(linear(x, self.weight, None), self.tp)
+            return linear(x, self.weight, self.bias, activation)
+        y = reduce_parallel_output(linear(x, self.weight, None, activation), self.tp)
         return y + self.bias if self.bias is not None else y
 
     def tp_shards(self) -> dict[str, ShardSpec]:

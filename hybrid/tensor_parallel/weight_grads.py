@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 Write = Callable[[torch.Tensor, bool], Any]
@@ -69,31 +68,3 @@ def weight_gradient(
 
     sink(weight, write)
     return None
-
-
-class _SunkLinear(torch.autograd.Function):
-    """F.linear whose backward gives the weight gradient to the weight's sink."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        ctx.has_bias, ctx.parameter = bias is not None, weight
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = weight_gradient(ctx.parameter, flat_grad, x.reshape(-1, x.shape[-1]))
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, through the sink when `weight` has one and a gradient is being recorded."""
-    if weight_gradient_sink(weight) is None or not torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
-    return _SunkLinear.apply(x, weight, bias)

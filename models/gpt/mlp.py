@@ -21,7 +21,9 @@ class MLP(nn.Module):
         self.proj = RowParallelLinear(hidden, config.d_model, tp, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        # The GELU runs inside proj, whose backward writes gelu's gradient over its own
+        # input gradient: one b*s*4d/tp buffer fewer at the backward's peak.
+        return self.proj(self.fc(x), activation="gelu_tanh")
 
 
 class SwiGLU(nn.Module):

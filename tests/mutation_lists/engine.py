@@ -259,10 +259,10 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "under recomputation the saved weight is asked for its sink (it has none)",
-        "hybrid/tensor_parallel/weight_grads.py",
-        "weight_gradient(ctx.parameter, flat_grad,",
-        "weight_gradient(weight, flat_grad,",
+        "the sink looked up on a copy of the weight (as a recomputed saved tensor is)",
+        "hybrid/tensor_parallel/linear.py",
+        "ctx.has_bias, ctx.parameter = bias is not None, weight\n",
+        "ctx.has_bias, ctx.parameter = bias is not None, weight.detach()\n",
         (
             "tests/zero/test_weight_grads.py::test_written_gradients_are_autograds[2-2-Recompute.FULL]",
         ),
@@ -302,5 +302,27 @@ MUTATIONS = [
         "        optimizer.grad_scale = torch.tensor(divisor,",
         "        optimizer.unused_scale = torch.tensor(divisor,",
         ("tests/precision/test_clip_in_adamw.py",),
+    ),
+    # Issue 30: the Linear's two-node backward (x freed before grad_x; gelu's in place).
+    Mutation(
+        "the Linear's backward is autograd's one node (x alive beside grad_x)",
+        "hybrid/tensor_parallel/linear.py",
+        "    if not recorded:\n",
+        "    if True:\n",
+        ("tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",),
+    ),
+    Mutation(
+        "gelu's gradient written to a new tensor, not over grad_h",
+        "hybrid/tensor_parallel/linear.py",
+        "approximate=ctx.approximate, grad_input=grad_input\n",
+        "approximate=ctx.approximate, grad_input=torch.empty_like(grad_input)\n",
+        ("tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",),
+    ),
+    Mutation(
+        "h's absent gradient made as zeros (a hidden-sized buffer)",
+        "hybrid/tensor_parallel/linear.py",
+        "        ctx.set_materialize_grads(False)",
+        "        ctx.set_materialize_grads(True)",
+        ("tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",),
     ),
 ]
