@@ -309,20 +309,26 @@ MUTATIONS = [
         "hybrid/tensor_parallel/linear.py",
         "    if not recorded:\n",
         "    if True:\n",
-        ("tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",),
+        (
+            "tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",
+        ),
     ),
     Mutation(
         "gelu's gradient written to a new tensor, not over grad_h",
         "hybrid/tensor_parallel/linear.py",
         "approximate=ctx.approximate, grad_input=grad_input\n",
         "approximate=ctx.approximate, grad_input=torch.empty_like(grad_input)\n",
-        ("tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",),
+        (
+            "tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",
+        ),
     ),
     Mutation(
         "h's absent gradient made as zeros (a hidden-sized buffer)",
         "hybrid/tensor_parallel/linear.py",
         "        ctx.set_materialize_grads(False)",
         "        ctx.set_materialize_grads(True)",
-        ("tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",),
+        (
+            "tests/tensor_parallel/test_linear_backward.py::test_the_mlp_backward_holds_one_hidden_buffer_fewer",
+        ),
     ),
 ]
