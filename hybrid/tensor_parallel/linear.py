@@ -104,7 +104,7 @@ def linear(
     "gelu_tanh"), whose backward frees x before it allocates x's gradient (see above)."""
     if activation is not None and activation not in GELU_APPROXIMATION:
         raise ValueError(f"activation {activation!r}: expected one of {list(GELU_APPROXIMATION)}")
-    approximate = GELU_APPROXIMATION.get(activation) if activation is not None else None
+    approximate = GELU_APPROXIMATION.get(activation)  # None: no activation
     recorded = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
