@@ -268,6 +268,15 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "under sequence parallelism the sink looked up on a copy of the weight",
+        "hybrid/tensor_parallel/layers.py",
+        "ctx.group, ctx.has_bias, ctx.parameter = group, bias is not None, weight\n",
+        "ctx.group, ctx.has_bias, ctx.parameter = group, bias is not None, weight.detach()\n",
+        (
+            "tests/zero/test_weight_grads.py::test_written_gradients_under_sequence_parallel_recomputation",
+        ),
+    ),
+    Mutation(
         "a second gradient of a sunk weight is taken (its bucket may be reduced already)",
         "hybrid/zero/state.py",
         "        if self.arrived[index]:\n",
